@@ -1,0 +1,310 @@
+import asyncio
+import functools
+import math as pymath
+import re
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+from weir.data.sample import Sample, Status
+from weir.data.sources import read_jsonl
+from weir.rollout import rewards as R
+from weir.rollout.rewards import (
+    REWARDS,
+    exact_match,
+    extract_number,
+    get_reward,
+    length_penalty,
+    numeric,
+    score,
+    strip_eos,
+)
+
+
+def S(text: str, n_tokens: int = 0) -> Sample:
+    return Sample(prompt_ids=[1], response_ids=[5] * n_tokens, response_text=text)
+
+
+@pytest.fixture(scope="module")
+def gsm8k_test_rows():
+    from weir.tasks.gsm8k import default_data_dir
+
+    try:
+        root = default_data_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"GSM8K data not available: {e}")
+    return read_jsonl(root / "test.jsonl")
+
+
+# ------------------------------------------------------------------------------ extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\\boxed{42}", 42),
+        ("A: 42", 42),
+        ("The answer is 1,234.", 1234),
+        ("#### 42", 42),
+        ("so the total is $1,234,567", 1234567),
+        ("x = -3", -3),
+        ("The answer is -7.", -7),
+        ("$-5", -5),
+        ("-$5", -5),
+        ("16 - 3 - 4 = 9", 9),  # binary minus is not a sign
+        ("a price of 2.50 dollars", Fraction(5, 2)),
+        ("\\boxed{\\frac{3}{4}}", Fraction(3, 4)),
+        ("\\boxed{1{,}000}", 1000),
+        ("It took 3/4 of an hour", Fraction(3, 4)),
+        ("first 5 then 7\n#### 12\n", 12),  # #### wins over the last number
+        ("The answer is 8. Check: 2+6=8, and 100 more", 8),
+        ("answer: 17 apples, 3 left", 17),
+        ("The final answer is \\boxed{10} or 11", 10),
+        ("no numbers here", None),
+        ("", None),
+    ],
+)
+def test_extract_number(text, expected):
+    assert extract_number(text) == (None if expected is None else Fraction(expected))
+
+
+def test_strip_eos():
+    assert strip_eos("  132<|end|> ") == "132"
+    assert strip_eos("x</s><|end|>") == "x"
+    assert strip_eos("x<|end|>", eos_texts=()) == "x<|end|>"
+
+
+# ------------------------------------------------------------------------------- built-ins
+
+
+def test_exact_match():
+    assert exact_match(S("132"), {"answer": "132"}) == 1.0
+    assert exact_match(S(" 132 <|end|>"), {"answer": " 132\n"}) == 1.0
+    assert exact_match(S("133"), {"answer": "132"}) == 0.0
+    assert exact_match(S("1320"), {"answer": 132}) == 0.0
+    assert exact_match(S("Paris"), {"answer": "paris"}) == 0.0
+    assert exact_match(S("Paris"), {"answer": "paris"}, case_sensitive=False) == 1.0
+    assert exact_match(S("7"), {"gold": "7"}, answer_key="gold") == 1.0
+    with pytest.raises(ValueError, match="'answer'"):
+        exact_match(S("7"), {"gold": "7"})
+
+
+@pytest.mark.parametrize("name", ["numeric", "math"])
+@pytest.mark.parametrize(
+    "response, gold, expected",
+    [
+        ("\\boxed{42}", "42", 1.0),
+        ("A: 42", "42", 1.0),
+        ("The answer is 1,234.", "1234", 1.0),
+        ("The answer is 1,234.", "#### 1,234", 1.0),
+        ("#### 42", "42", 1.0),
+        ("#### 42", "She has 6*7=<<6*7=42>>42\n#### 42", 1.0),
+        ("It costs $18.", "18", 1.0),
+        ("#### 43", "42", 0.0),
+        ("The answer is -3", "-3", 1.0),
+        ("The answer is 3", "-3", 0.0),
+        ("0.5", "0.5", 1.0),
+        ("I don't know", "42", 0.0),
+    ],
+)
+def test_numeric_and_math_by_hand(name, response, gold, expected):
+    out = REWARDS[name](S(response), {"answer": gold})
+    assert out["reward"] == expected, out
+
+
+def test_math_symbolic_and_fallback():
+    assert R.math(S("so it is $\\frac{1}{2}$"), {"answer": "0.5"})["reward"] == 1.0
+    assert R.math(S("\\boxed{x^2+1}"), {"answer": "1+x^2"})["reward"] == 1.0
+    out = R.math(S("nothing parseable"), {"answer": "42"})
+    assert out["reward"] == 0.0
+
+
+def test_math_in_worker_thread():
+    """math-verify's signal timeouts must be off outside the main thread."""
+    out = {}
+
+    def run():
+        out["r"] = R.math(S("\\boxed{42}"), {"answer": "42"})
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert out["r"]["reward"] == 1.0
+
+
+def test_numeric_tolerance():
+    assert numeric(S("0.333333"), {"answer": "1/3"})["reward"] == 1.0
+    assert numeric(S("1450001"), {"answer": "1,450,000"})["reward"] == 0.0  # integers exact
+
+
+def test_numeric_gold_without_number_raises():
+    with pytest.raises(ValueError, match="no number"):
+        numeric(S("42"), {"answer": "forty-two"})
+
+
+def test_format():
+    assert R.format(S("work...\n#### 42<|end|>"), {}) == 1.0
+    assert R.format(S("The answer is 5."), {}) == 1.0
+    assert R.format(S("so \\boxed{5}"), {}) == 1.0
+    assert R.format(S("A: 5"), {}) == 1.0
+    assert R.format(S("#### 42\nand then more text"), {}) == 0.0
+    assert R.format(S("I think it is 5"), {}) == 0.0
+    assert R.format(S("<answer>3</answer>"), {}, pattern=r"<answer>.*</answer>\Z") == 1.0
+
+
+def test_gsm8k_reference_solutions_score_one(gsm8k_test_rows):
+    """Every reference solution is rewarded 1 by math and numeric; a changed final number 0."""
+    assert len(gsm8k_test_rows) == 1319
+    for r in gsm8k_test_rows:
+        row = {"answer": r["answer"]}  # the full GSM8K solution as gold
+        ref = S(r["answer"])
+        gold = int(r["answer"].rsplit("####", 1)[1].replace(",", ""))
+        wrong = S(r["answer"].rsplit("####", 1)[0] + f"#### {gold + 1}")
+        for name in ("math", "numeric"):
+            assert REWARDS[name](ref, row)["reward"] == 1.0, (name, r["answer"])
+            assert REWARDS[name](wrong, row)["reward"] == 0.0, (name, r["answer"])
+        # gold as the bare number, as weir.tasks.gsm8k stores it
+        assert R.numeric(ref, {"answer": str(gold)})["reward"] == 1.0
+
+
+def test_length_penalty():
+    fn = length_penalty(exact_match, max_response_tokens=10, buffer_tokens=4)
+    row = {"answer": "1"}
+    assert fn(S("1", 6), row) == {"reward": 1.0, "base_reward": 1.0, "length_penalty": 0.0}
+    assert fn(S("1", 8), row)["reward"] == pytest.approx(0.5)
+    assert fn(S("1", 11), row)["reward"] == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        length_penalty(exact_match, max_response_tokens=4, buffer_tokens=4)
+
+    async def afn(sample, row):
+        return 1.0
+
+    wrapped = length_penalty(afn, max_response_tokens=10, buffer_tokens=4)
+    s = S("x", 9)
+    asyncio.run(score(wrapped, s, row))
+    assert s.reward == pytest.approx(0.25) and s.reward_info["length_penalty"] == pytest.approx(
+        -0.75
+    )
+
+
+# ---------------------------------------------------------------------------------- score
+
+
+def run(fn, sample=None, row=None, timeout_s=None):
+    sample = sample or S("42")
+    asyncio.run(score(fn, sample, row or {"answer": "42"}, timeout_s=timeout_s))
+    return sample
+
+
+def test_score_sync_float_and_dict():
+    s = run(exact_match)
+    assert s.reward == 1.0 and s.status is Status.COMPLETED and s.reward_info == {"reward": 1.0}
+    s = run(numeric)
+    assert s.reward == 1.0 and s.reward_info["pred"] == 42 and s.reward_info["gold"] == 42
+    s = run(lambda sample, row: True)  # a bool counts as 1.0 / 0.0
+    assert s.reward == 1.0 and s.status is Status.COMPLETED
+
+
+def test_score_async_fn():
+    async def afn(sample, row):
+        await asyncio.sleep(0)
+        return {"reward": 0.5, "parsed": "x"}
+
+    s = run(afn)
+    assert s.reward == 0.5 and s.reward_info == {"reward": 0.5, "parsed": "x"} and s.error is None
+
+
+def test_score_contains_exceptions():
+    def boom(sample, row):
+        raise KeyError("missing")
+
+    s = run(boom)
+    assert s.status is Status.FAILED and s.reward is None
+    assert s.error.startswith("RewardError: KeyError:") and "boom" in s.error
+
+    async def aboom(sample, row):
+        raise RuntimeError("async fail")
+
+    s = run(aboom)
+    assert s.status is Status.FAILED and s.error.startswith("RewardError: RuntimeError: async fail")
+
+
+def test_score_timeout_sync_and_async():
+    def slow(sample, row):
+        time.sleep(0.5)
+        return 1.0
+
+    t0 = time.perf_counter()
+    s = run(slow, timeout_s=0.05)
+    assert time.perf_counter() - t0 < 0.45 or s.status is Status.FAILED
+    assert s.status is Status.FAILED and s.reward is None
+    assert s.error.startswith("RewardError: timeout") and "slow" in s.error
+
+    async def aslow(sample, row):
+        await asyncio.sleep(5)
+        return 1.0
+
+    t0 = time.perf_counter()
+    s = run(aslow, timeout_s=0.05)
+    assert time.perf_counter() - t0 < 1.0
+    assert s.status is Status.FAILED and "timeout" in s.error
+
+
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        (float("nan"), "non-finite"),
+        (float("inf"), "non-finite"),
+        ("1.0", "returned str"),
+        (None, "returned NoneType"),
+        ({"score": 1.0}, "without 'reward'"),
+        ({"reward": pymath.nan}, "non-finite"),
+    ],
+)
+def test_score_bad_values_are_failures(value, needle):
+    def weird(sample, row):
+        return value
+
+    s = run(weird)
+    assert s.status is Status.FAILED and s.reward is None
+    assert s.error.startswith("RewardError:") and needle in s.error and "weird" in s.error
+
+
+def test_score_keeps_existing_reward_info_and_partial_name():
+    s = S("42")
+    s.reward_info["engine"] = "torch"
+    asyncio.run(score(functools.partial(numeric, rel_tol=0.0), s, {"answer": "42"}))
+    assert s.reward_info["engine"] == "torch" and s.reward == 1.0
+
+    def boom(sample, row, *, k):
+        raise ValueError("bad k")
+
+    s = run(functools.partial(boom, k=1))
+    assert "boom" in s.error
+
+
+def test_score_many_concurrently():
+    async def main():
+        samples = [S(str(i)) for i in range(50)]
+        await asyncio.gather(*(score(R.math, s, {"answer": "7"}) for s in samples))
+        return samples
+
+    samples = asyncio.run(main())
+    assert [s.reward for s in samples] == [1.0 if i == 7 else 0.0 for i in range(50)]
+
+
+# ------------------------------------------------------------------------------ get_reward
+
+
+def test_get_reward():
+    assert get_reward("math") is R.math
+    fn = get_reward("exact_match", answer_key="gold")
+    assert fn(S("7"), {"gold": "7"}) == 1.0
+    fn = get_reward("weir.tasks.countdown:countdown_reward", format_score=0.2)
+    assert fn(S("1+1"), {"numbers": [1, 2], "answer": "5"})["reward"] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match=re.escape("did you mean 'numeric'")):
+        get_reward("numerik")
+    with pytest.raises(ValueError, match="no parameter"):
+        get_reward("math", answer_kee="x")

@@ -1,0 +1,53 @@
+"""weir: reinforcement-learning post-training of language models, from a laptop CPU to a Ray cluster.
+
+From Python (notebooks included)::
+
+    import weir
+    cfg = weir.load_config("examples/arithmetic.yaml", ["rollout.n=8"])
+    result = weir.run(cfg, reward=my_reward)          # plugins as objects or dotted paths
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from weir.config import Config, ConfigError, build_config, load_config
+
+if TYPE_CHECKING:
+    from weir.loop import RunResult
+
+__version__ = "0.1.0"
+
+
+def _as_config(config: Config | dict[str, Any] | str | Path, overrides: list[str] | None) -> Config:
+    if isinstance(config, Config):
+        return build_config(config.model_dump(), overrides) if overrides else config
+    if isinstance(config, dict):
+        return build_config(config, overrides)
+    return load_config(config, overrides)
+
+
+def run(
+    config: Config | dict[str, Any] | str | Path,
+    overrides: list[str] | None = None,
+    *,
+    reward: Callable | None = None,
+    rollout: Callable | None = None,
+    filter: Callable | None = None,
+) -> RunResult:
+    """Train with RL (synchronous loop). `config` is a Config, a dict of sections, or a YAML path."""
+    from weir.loop import run_sync
+
+    return run_sync(_as_config(config, overrides), reward=reward, rollout=rollout, filter=filter)
+
+
+def sft(config: Config | dict[str, Any] | str | Path, overrides: list[str] | None = None) -> Path:
+    """Supervised warm start; returns the saved model directory."""
+    from weir.loop.sft import run_sft
+
+    return run_sft(_as_config(config, overrides))
+
+
+__all__ = ["Config", "ConfigError", "build_config", "load_config", "run", "sft"]

@@ -1,0 +1,1 @@
+"""Data model, prompt sources and prompt encoding."""

@@ -1,0 +1,93 @@
+"""The token-based unit that crosses every boundary: `Sample`, and the `Group` of one prompt's samples.
+
+Text is derived from ids, never re-tokenized on the way to the trainer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"  # the engine emitted a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens or the context limit
+    ABORTED = "aborted"  # cancelled (e.g. by a weight update with policy "abort")
+    FAILED = "failed"  # the engine, reward or environment raised; see `error`
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with everything the trainer needs per token.
+
+    Invariant: `loss_mask`, `rollout_logprobs` and `versions` have one entry per response token.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float | None = None
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    status: Status = Status.COMPLETED
+    error: str | None = None
+    group_id: int = 0
+    index: int = 0
+    row: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    prompt_text: str = ""
+    response_text: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if not self.loss_mask:
+            self.loss_mask = [1] * n
+        if not self.rollout_logprobs:
+            self.rollout_logprobs = [0.0] * n
+        if not self.versions:
+            self.versions = [-1] * n
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError if the per-token lists disagree in length with `response_ids`."""
+        n = len(self.response_ids)
+        for name in ("loss_mask", "rollout_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}; "
+                    "each response token needs exactly one entry"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def ok(self) -> bool:
+        return self.status != Status.FAILED and self.reward is not None
+
+
+@dataclass
+class Group:
+    """The `n` samples of one prompt; group-relative advantages are computed over it."""
+
+    samples: list[Sample]
+    group_id: int = 0
+    row: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self):
+        return iter(self.samples)
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [s.reward for s in self.samples]

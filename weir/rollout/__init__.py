@@ -1,0 +1,1 @@
+"""Rollout: how prompts become scored groups (rollout functions, rewards, filters)."""
