@@ -1,0 +1,106 @@
+"""The engine contract: what a rollout asks for (`SamplingParams`), what it gets back (`Completion`),
+and the async `Engine` protocol every implementation (torch, vLLM, SGLang) satisfies.
+
+Log-prob convention (the trainer must use the same one)
+-------------------------------------------------------
+For each generated token the engine reports
+
+    logprobs[t] = log_softmax(logits_t / T)[token_t]        over the full vocabulary,
+
+with ``T = temperature``, and ``T = 1`` when ``temperature == 0`` (greedy decoding reports the model's
+raw log-probs). Top-k and top-p only restrict which tokens may be *sampled*; they do not renormalise
+the reported log-prob. The trainer therefore recomputes log-probs as ``log_softmax(logits / T)`` with
+the same temperature and no top-k/top-p, and the two agree up to floating point.
+
+Versions
+--------
+Every generated token records the engine's weight ``version`` at the moment it was produced. A
+response that was in flight while weights were updated carries tokens of both versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's `n` completions.
+
+    - ``temperature == 0`` is greedy (argmax); its log-probs are the raw ones (T = 1).
+    - ``top_k == 0`` and ``top_p == 1.0`` switch those filters off.
+    - The engine's EOS ids always stop; ``stop_token_ids`` adds more. A stop token that is emitted is
+      included in the completion (with its log-prob and version).
+    - ``seed``: when set, this request's samples are reproducible regardless of how the request was
+      batched with others (each sample draws from its own counter-based stream keyed by the seed and
+      the sample index). When None, the engine derives a seed from its own seed and the submission
+      order.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)  # eos is always a stop
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be >= 0, got {self.max_new_tokens}"
+            )
+
+
+@dataclass
+class Completion:
+    """One sampled response. `token_ids`, `logprobs` and `versions` have one entry per generated
+    token, the stop token included when one was emitted.
+
+    finish_reason: "stop" (a stop/EOS token was emitted), "length" (max_new_tokens or the context
+    limit) or "abort" (ended by `abort()`; the tokens so far are kept).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine with many requests in flight.
+
+    ``generate`` returns the `n` completions of one prompt. ``update_weights`` loads new weights
+    between decode steps and sets ``version``; ``pause`` stops decoding between steps (requests in
+    flight keep their state), ``resume`` continues it, ``abort`` ends every request in flight now with
+    finish_reason "abort".
+    """
+
+    version: int
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]: ...
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def abort(self) -> None: ...

@@ -1,0 +1,1144 @@
+"""`TorchEngine`: weir's built-in inference engine, running on the Hugging Face model object it is given.
+
+It is the same module class the trainer uses (in a colocated loop, literally the trainer's module), so
+its log-probs are computed by the trainer's own kernels.
+
+How it works
+------------
+A daemon thread runs the decode loop over one *running batch*. Each iteration:
+
+1. admits waiting requests (up to ``max_batch_size`` rows): their prompts are prefilled together in one
+   left-padded forward pass, each prompt ONCE; the first token of every sample is drawn from the
+   prompt's logits, and the prompt's KV cache is copied into one row per surviving sample (shared
+   prefix) of the running batch;
+2. runs one decode step for every row: the model's own ``forward`` over the last token of each row,
+   with the KV cache (``past_key_values``), an explicit 4D attention mask, explicit position ids and
+   ``logits_to_keep=1``;
+3. samples the next token of every row with tensor ops (no per-row Python), and retires the rows that
+   emitted a stop token or reached their length limit: their futures are resolved at once and the rows
+   leave the batch.
+
+The KV cache is a `transformers.cache_utils.Cache` whose layers are preallocated slabs
+``[row_capacity, kv_heads, col_capacity, head_dim]``; the rows ``[0, n)`` and the columns
+``[c0, c0 + length)`` are in use. All rows are right-aligned: each row's last token sits in the last
+used column, the left columns of shorter rows are padding, masked out. So a decode step writes one
+column for all rows in place (no re-concatenation); a finished row's slot is filled by moving the last
+row into it (only the moved rows are copied); the columns that became padding for every remaining row
+are dropped by advancing ``c0``; newcomers are written into free rows, extending the used columns to
+the left when their prompt is longer. The slabs are reallocated only when rows or columns run out.
+
+Sampling and seeds
+------------------
+Each sample owns a counter-based random stream (a 32-bit key derived from the request's seed and the
+sample index; the uniform for its t-th token is ``mix32(key + t * golden)``). A token is drawn by
+inverting the CDF of ``softmax(logits / T)`` at that uniform. The draw depends only on the row's own
+logits, key and token index, so a seeded request gives the same samples however it is batched.
+Top-k / top-p rows sample from their sorted, filtered distribution (as HF and vLLM do: top-k first,
+then top-p on the renormalised top-k mass). Reported log-probs follow `weir.engine.base`:
+``log_softmax(logits / T)[token]`` over the full vocabulary (T = 1 for greedy), whatever the filters.
+
+Weights and versions
+--------------------
+``update_weights`` takes the step lock, so it runs between decode steps; it copies tensors into the
+model's parameters in place (no copy when a tensor *is* the parameter, as in a colocated loop, where it
+only sets the version) and sets ``version``. Every generated token records the version current when
+it was produced, so a response in flight across an update carries both versions. Before decoding on,
+the KV cache of the requests in flight is recomputed under the new weights (one batched prefill of
+their prompt + tokens so far), so every token after the update is sampled from the new policy on the
+full context and its log-prob is exactly the new policy's (``recompute_kv_on_update=False`` skips this).
+
+Thread-safety: ``submit`` / ``generate`` may be called from any thread or event loop. The control
+methods (``pause`` / ``resume`` / ``abort`` / ``update_weights``) have async forms for the `Engine`
+protocol and ``*_sync`` forms for plain threads; they must not be called from the engine thread itself
+(a concurrent future's done-callback), except ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from weir.engine.base import Completion, SamplingParams
+
+__all__ = ["TorchEngine"]
+
+# ---------------------------------------------------------------------------------------------------
+# Counter-based random numbers (same function in Python and in torch; tested against each other).
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+# Multipliers below 2**31 keep every product of a 32-bit value under 2**63 (no int64 overflow).
+_C1 = 0x21F0AAAD
+_C2 = 0x735A2D97
+
+
+def mix32(x: int) -> int:
+    """A 32-bit integer hash (a bijection on [0, 2**32)); the Python twin of `_mix32_t`."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _C1) & _M32
+    x ^= x >> 15
+    x = (x * _C2) & _M32
+    return x ^ (x >> 15)
+
+
+def _mix32_t(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` on an int64 tensor of values in [0, 2**32) (modified in place and returned)."""
+    x.bitwise_xor_(x >> 16).mul_(_C1).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15).mul_(_C2).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
+
+
+def stream_uniform(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The uniform in (0, 1) (float32) for token index `step` of the streams with 32-bit `key`."""
+    h = _mix32_t(step.mul(_GOLDEN).add_(key).bitwise_and_(_M32))
+    return h.to(torch.float32).add_(0.5).mul_(2.0**-32)
+
+
+def sample_key(seed: int, sample_index: int) -> int:
+    """The stream key of sample `sample_index` of a request seeded with `seed` (any Python int)."""
+    s = mix32(mix32(seed & _M32) ^ mix32((seed >> 32) ^ 0x6A09E667))
+    return mix32(s ^ mix32(sample_index + 0x3C6EF372))
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache: preallocated slabs, rows right-aligned.
+
+
+class _Geometry:
+    """Which part of the slabs is in use: rows ``[0, rows)``, columns ``[c0, c0 + length)``."""
+
+    __slots__ = ("rows", "c0", "length")
+
+    def __init__(self, rows: int, c0: int = 0, length: int = 0):
+        self.rows, self.c0, self.length = rows, c0, length
+
+
+class _SlabLayer(CacheLayerMixin):
+    """One layer's keys/values in slabs ``[row_capacity, kv_heads, col_capacity, head_dim]``.
+
+    ``update`` writes the new columns after the used ones in place and returns views of the used
+    part; the shared geometry's ``length`` is advanced by the engine once per forward pass.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, geo: _Geometry, capacity: int):
+        super().__init__()
+        self.geo = geo
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, _ = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(b, h, self.capacity, key_states.shape[-1])
+        self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        g = self.geo
+        n, c0 = g.rows, g.c0
+        start = c0 + g.length
+        end = start + key_states.shape[-2]
+        self.keys[:n, :, start:end].copy_(key_states)
+        self.values[:n, :, start:end].copy_(value_states)
+        return self.keys[:n, :, c0:end], self.values[:n, :, c0:end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.geo.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.geo.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _SlabCache(Cache):
+    def __init__(self, num_layers: int, geo: _Geometry, capacity: int):
+        super().__init__(layers=[_SlabLayer(geo, capacity) for _ in range(num_layers)])
+        self.geo = geo
+
+    def used(self, layer: _SlabLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.geo
+        return (
+            layer.keys[: g.rows, :, g.c0 : g.c0 + g.length],
+            layer.values[: g.rows, :, g.c0 : g.c0 + g.length],
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests and rows.
+
+
+class _Request:
+    __slots__ = ("prompt", "params", "future", "seed", "results", "remaining", "greedy", "filtered")
+
+    def __init__(self, prompt: list[int], params: SamplingParams, future: Future, seed: int):
+        self.prompt = prompt
+        self.params = params
+        self.future = future
+        self.seed = seed
+        self.results: list[Completion | None] = [None] * params.n
+        self.remaining = params.n
+        self.greedy = params.temperature == 0.0
+        self.filtered = False  # set at admission (needs the vocabulary size)
+
+    def finish_sample(self, index: int, completion: Completion) -> None:
+        if self.results[index] is not None:
+            return
+        self.results[index] = completion
+        self.remaining -= 1
+        if self.remaining == 0:
+            _set_result(self.future, self.results)
+
+    def abort_unfinished(self) -> None:
+        for i, r in enumerate(self.results):
+            if r is None:
+                self.finish_sample(i, Completion([], [], [], "abort"))
+
+
+def _set_result(fut: Future, value: Any) -> None:
+    try:
+        if not fut.done():
+            fut.set_result(value)
+    except InvalidStateError:  # cancelled concurrently
+        pass
+
+
+def _set_exception(fut: Future, exc: BaseException) -> None:
+    try:
+        if not fut.done():
+            fut.set_exception(exc)
+    except InvalidStateError:
+        pass
+
+
+# Column layout of the per-row integer state.
+_TOK, _POS, _START, _NGEN, _MAXNEW, _TOPK, _KEY, _FILT = range(8)
+# Column layout of the per-row float state.
+_INVT, _TOPP = range(2)
+
+
+class _Rows:
+    """Per-row state: tensors for the hot path (rows ``[0, n)`` live; the tensors may have spare rows
+    and columns), Python lists for bookkeeping.
+
+    ints[:, _TOK]    last sampled token (the next step's input)   ints[:, _POS]   its position id
+    ints[:, _START]  first real cache column of the row            ints[:, _NGEN]  tokens generated
+    ints[:, _MAXNEW] generation limit                              ints[:, _TOPK]  top-k (vocab = off)
+    ints[:, _KEY]    random stream key                             ints[:, _FILT]  1 if top-k/p apply
+    floats[:, _INVT] 1 / temperature (1 when greedy)              floats[:, _TOPP] top-p
+    stops  [rows, S] stop ids (eos included), padded with -1
+    out_tok / out_lp [rows, C]  generated tokens and their log-probs
+    """
+
+    def __init__(self, ints, floats, stops, out_tok, out_lp, reqs, sample_idx, vchanges):
+        self.ints, self.floats, self.stops = ints, floats, stops
+        self.out_tok, self.out_lp = out_tok, out_lp
+        self.reqs: list[_Request] = reqs
+        self.sample_idx: list[int] = sample_idx
+        self.vchanges: list[list[tuple[int, int]]] = vchanges
+        self.n = len(reqs)
+        self.n_greedy = sum(r.greedy for r in reqs)
+        self.n_filtered = sum(r.filtered for r in reqs)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the views of the live rows (after rows joined or left)."""
+        n = self.n
+        ints = self.ints[:n]
+        self.tok, self.pos, self.start = ints[:, _TOK], ints[:, _POS], ints[:, _START]
+        self.ngen, self.maxnew, self.key = ints[:, _NGEN], ints[:, _MAXNEW], ints[:, _KEY]
+        self.top_k = ints[:, _TOPK]
+        self.inv_t, self.top_p = self.floats[:n, _INVT], self.floats[:n, _TOPP]
+        self.stops_v, self.out_tok_v, self.out_lp_v = (
+            self.stops[:n],
+            self.out_tok[:n],
+            self.out_lp[:n],
+        )
+        self.all_greedy = n > 0 and self.n_greedy == n
+        if self.n_greedy and not self.all_greedy:
+            self.greedy_idx = torch.tensor(
+                [i for i, r in enumerate(self.reqs) if r.greedy], device=ints.device
+            )
+        else:
+            self.greedy_idx = None
+        self.filt_idx = ints[:, _FILT].nonzero().squeeze(1) if self.n_filtered else None
+
+    def remaining(self) -> int:
+        """The most tokens any live row may still generate."""
+        return int((self.maxnew - self.ngen).max()) if self.n else 0
+
+
+class _Running(_Rows):
+    """The running batch: rows plus their KV slabs (geometry shared with the cache layers)."""
+
+    def __init__(self, num_layers: int, device: torch.device, max_rows: int):
+        self.num_layers = num_layers
+        self.device = device
+        self.max_rows = max_rows
+        z = torch.zeros(0, 8, dtype=torch.long, device=device)
+        super().__init__(
+            z,
+            torch.zeros(0, 2, device=device),
+            torch.zeros(0, 1, dtype=torch.long, device=device),
+            torch.zeros(0, 1, dtype=torch.long, device=device),
+            torch.zeros(0, 1, device=device),
+            [],
+            [],
+            [],
+        )
+        self.geo = _Geometry(0)
+        self.cache: _SlabCache | None = None
+
+    # -- joining ------------------------------------------------------------------------------------
+
+    def join(self, inc: _Rows, pcache: _SlabCache, owner: torch.Tensor) -> None:
+        """Append the rows of `inc`, whose KV is row ``owner[i]`` of the prefill cache `pcache`."""
+        b, m = self.n, inc.n
+        geo = self.geo
+        lp, length = pcache.geo.length, geo.length
+        new_len = max(length, lp)
+        headroom = max(self.remaining(), inc.remaining())
+        c0 = geo.c0 - (new_len - length) if b else 0
+        rows_cap = self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
+        cols_cap = self.cache.layers[0].keys.shape[2] if self.cache is not None else 0
+        if self.cache is None or b + m > rows_cap or c0 < 0 or c0 + new_len + headroom > cols_cap:
+            self._realloc_cache(b + m, new_len, headroom, pcache)
+            geo = self.geo
+        elif new_len > length or not b:
+            # Extend the used columns to the left (stale columns there are finite and masked out).
+            if b:
+                self.start += new_len - length
+            geo.c0, geo.length = c0, new_len
+        # Newcomers' KV, right-aligned.
+        c0 = geo.c0
+        for layer, player in zip(self.cache.layers, pcache.layers, strict=True):
+            for name in ("keys", "values"):
+                dst = getattr(layer, name)[b : b + m, :, c0 + new_len - lp : c0 + new_len]
+                src = getattr(player, name)[:, :, :lp]
+                torch.index_select(src, 0, owner, out=dst)
+        self._append_rows(inc, new_len - lp)
+        geo.rows = self.n
+
+    def _realloc_cache(self, rows: int, new_len: int, headroom: int, like: _SlabCache) -> None:
+        """New slabs with room for `rows` rows and `new_len + headroom` columns; live rows are moved
+        right-aligned to column `new_len` (c0 = 0)."""
+        geo = self.geo
+        b, length = self.n, geo.length
+        rows_cap = self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
+        if rows > rows_cap:  # grow geometrically, up to the batch limit
+            rows_cap = max(rows, min(2 * rows_cap, self.max_rows))
+        cols_cap = new_len + headroom
+        new_geo = _Geometry(b, 0, new_len)
+        new = _SlabCache(self.num_layers, new_geo, cols_cap)
+        for i, layer in enumerate(new.layers):
+            ref = like.layers[i]
+            for name in ("keys", "values"):
+                t = getattr(ref, name)
+                buf = t.new_zeros(rows_cap, t.shape[1], cols_cap, t.shape[3])
+                if b:
+                    old = getattr(self.cache.layers[i], name)
+                    buf[:b, :, new_len - length : new_len].copy_(
+                        old[:b, :, geo.c0 : geo.c0 + length]
+                    )
+                setattr(layer, name, buf)
+            layer.dtype, layer.device, layer.is_initialized = ref.dtype, ref.device, True
+        if b and new_len > length:
+            self.start += new_len - length
+        self.cache, self.geo = new, new_geo
+
+    def _append_rows(self, inc: _Rows, start_shift: int) -> None:
+        b, m = self.n, inc.n
+        need = b + m
+        self.ints = _ensure(self.ints, need, self.ints.shape[1], 0)
+        self.floats = _ensure(self.floats, need, self.floats.shape[1], 0.0)
+        self.stops = _ensure(self.stops, need, inc.stops.shape[1], -1)
+        self.out_tok = _ensure(self.out_tok, need, inc.out_tok.shape[1], 0)
+        self.out_lp = _ensure(self.out_lp, need, inc.out_lp.shape[1], 0.0)
+        self.ints[b:need] = inc.ints[:m]
+        if start_shift:
+            self.ints[b:need, _START] += start_shift
+        self.floats[b:need] = inc.floats[:m]
+        self.stops[b:need].fill_(-1)
+        self.stops[b:need, : inc.stops.shape[1]] = inc.stops[:m]
+        self.out_tok[b:need, : inc.out_tok.shape[1]] = inc.out_tok[:m]
+        self.out_lp[b:need, : inc.out_lp.shape[1]] = inc.out_lp[:m]
+        self.reqs += inc.reqs[:m]
+        self.sample_idx += inc.sample_idx[:m]
+        self.vchanges += inc.vchanges[:m]
+        self.n = need
+        self.n_greedy += inc.n_greedy
+        self.n_filtered += inc.n_filtered
+        self.refresh()
+
+    # -- leaving ------------------------------------------------------------------------------------
+
+    def remove(self, rows: list[int]) -> None:
+        """Drop `rows` (sorted, distinct): the last live rows move into their slots, then the cache
+        columns that are padding for every remaining row are trimmed."""
+        b = self.n
+        keep_n = b - len(rows)
+        gone = set(rows)
+        holes = [r for r in rows if r < keep_n]
+        movers = [r for r in range(keep_n, b) if r not in gone]
+        for r in rows:
+            req = self.reqs[r]
+            self.n_greedy -= req.greedy
+            self.n_filtered -= req.filtered
+        if holes:
+            h = torch.tensor(holes, device=self.device)
+            mv = torch.tensor(movers, device=self.device)
+            for t in (self.ints, self.floats, self.stops, self.out_tok, self.out_lp):
+                t.index_copy_(0, h, t.index_select(0, mv))
+            for layer in self.cache.layers:
+                for t in self.cache.used(layer):
+                    t.index_copy_(0, h, t.index_select(0, mv))
+            for lst in (self.reqs, self.sample_idx, self.vchanges):
+                for dst, src in zip(holes, movers, strict=True):
+                    lst[dst] = lst[src]
+        for lst in (self.reqs, self.sample_idx, self.vchanges):
+            del lst[keep_n:]
+        self.n = keep_n
+        self.geo.rows = keep_n
+        self.refresh()
+        if not keep_n:  # empty: the slabs are reused from column 0 by the next join
+            self.geo.c0 = self.geo.length = 0
+        else:
+            first = int(self.start.min())
+            if first:
+                self.start -= first
+                self.geo.c0 += first
+                self.geo.length -= first
+
+
+def _ensure(t: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tensor:
+    """`t` itself when it has room for `rows` x `cols`, else a larger copy (rows doubled)."""
+    if rows <= t.shape[0] and cols <= t.shape[1]:
+        return t
+    new_rows = max(rows, 2 * t.shape[0]) if rows > t.shape[0] else t.shape[0]
+    out = t.new_full((new_rows, max(cols, t.shape[1])), fill)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _expand_versions(changes: list[tuple[int, int]], n: int) -> list[int]:
+    out: list[int] = []
+    for i, (start, version) in enumerate(changes):
+        end = changes[i + 1][0] if i + 1 < len(changes) else n
+        end = min(end, n)
+        if end > start:
+            out.extend([version] * (end - start))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+_LIVE_ENGINES: weakref.WeakSet[TorchEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    # Stop the loop threads before the interpreter tears down (a daemon thread frozen inside a
+    # torch kernel at exit can abort the process).
+    for engine in list(_LIVE_ENGINES):
+        engine.close(timeout=2.0)
+
+
+class TorchEngine:
+    """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
+
+    Args:
+        model: a decoder-only HF model with full attention (Llama, Qwen2/3, Mistral, ...) using the
+            ``sdpa`` or ``eager`` attention implementation. It is used as given: keep it in eval mode
+            (or dropout-free) and do not run it concurrently from another thread while generating.
+        eos_token_ids: tokens that always end a sample.
+        pad_token_id: id fed at padding positions (masked out; any valid id works).
+        max_batch_size: most rows (samples) decoding at once. A single request with ``n`` above it
+            is still admitted when the batch is empty.
+        max_seq_len: prompt + response limit; defaults to ``config.max_position_embeddings``.
+            Reaching it ends a sample with finish_reason "length".
+        seed: seeds the per-request streams of requests that do not set ``SamplingParams.seed``
+            (assigned in submission order).
+        version: the initial weight version.
+        max_prefill_tokens: budget of (padded) prompt tokens prefilled in one forward pass.
+        recompute_kv_on_update: after ``update_weights``, rebuild the KV cache of the requests in
+            flight under the new weights (one prefill of their prompt + tokens so far) before
+            decoding on, so that every token after the update is sampled from, and its log-prob
+            computed by, the new policy on the full context. False keeps the old-weight KV of the
+            earlier tokens (cheaper, but then those later log-probs match neither policy exactly).
+        num_threads: torch intra-op threads of the engine thread only (OpenMP's setting is per
+            thread; the rest of the process keeps its own). None inherits torch's default. With a
+            trainer in another thread on the same machine, or a tiny model, 1 is often fastest.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        max_batch_size: int = 256,
+        max_seq_len: int | None = None,
+        seed: int = 0,
+        version: int = 0,
+        max_prefill_tokens: int = 16384,
+        recompute_kv_on_update: bool = True,
+        num_threads: int | None = None,
+    ):
+        config = model.config
+        attn = getattr(config, "_attn_implementation", None) or "eager"
+        if attn not in ("sdpa", "eager"):
+            raise NotImplementedError(
+                f"TorchEngine supports the 'sdpa' and 'eager' attention implementations, not {attn!r}; "
+                "load the model with attn_implementation='sdpa'"
+            )
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(
+                f"TorchEngine supports full-attention layers only; this model has {sorted(set(layer_types))}"
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.version = version
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.pad_token_id = int(pad_token_id)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 2048))
+        self.max_prefill_tokens = max_prefill_tokens
+        self._recompute_kv_on_update = recompute_kv_on_update
+        self._num_threads = num_threads
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._num_layers = int(config.num_hidden_layers)
+        self._eager = attn == "eager"
+        first = next(model.parameters())
+        self._device, self._dtype = first.device, first.dtype
+        self._col = torch.arange(self.max_seq_len + 1, device=self._device)
+        self._vocab_col = torch.arange(self.vocab_size, device=self._device)
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._params.update(dict(model.named_buffers(remove_duplicate=False)))
+
+        self._rng = random.Random(seed)
+        self._mu = threading.Lock()  # guards the pending queue and the flags below
+        self._cond = threading.Condition(self._mu)
+        self._step_lock = threading.Lock()  # held for one loop iteration, or by a control operation
+        self._pending: deque[_Request] = deque()
+        self._cancelled: set[_Request] = set()
+        self._paused = False
+        self._interrupts = 0
+        self._closed = False
+        self._stopping = False
+        self._stale_kv = False  # set by a weight update: rebuild the running rows' KV cache
+        self._batch = _Running(self._num_layers, self._device, self.max_batch_size)
+        self._stats = {
+            "requests": 0,
+            "generated_tokens": 0,
+            "prefill_tokens": 0,
+            "decode_steps": 0,
+            "busy_s": 0.0,
+        }
+        self._thread = threading.Thread(target=self._run, name="weir-torch-engine", daemon=True)
+        self._thread.start()
+        _LIVE_ENGINES.add(self)
+
+    # -- plain-thread API --------------------------------------------------------------------------
+
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> Future[list[Completion]]:
+        """Queue one prompt; the future resolves to its ``params.n`` completions (or the error)."""
+        return self.submit_many([prompt_ids], params)[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Future[list[Completion]]]:
+        """Queue several prompts at once (they are admitted together); one future per prompt.
+
+        `params` is one `SamplingParams` for all prompts or one per prompt. (With one seeded params
+        object for all prompts, every prompt uses the same random streams.)
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params if params is not None else SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        futures: list[Future[list[Completion]]] = []
+        reqs: list[_Request] = []
+        with self._mu:
+            if self._closed:
+                raise RuntimeError("TorchEngine is closed")
+            for prompt_ids, sp in zip(prompts, params, strict=True):
+                fut: Future[list[Completion]] = Future()
+                futures.append(fut)
+                prompt = [int(x) for x in prompt_ids]
+                error = self._check_prompt(prompt)
+                if error is not None:
+                    fut.set_exception(error)
+                    continue
+                seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
+                self._stats["requests"] += 1
+                if sp.max_new_tokens == 0:
+                    fut.set_result([Completion([], [], [], "length") for _ in range(sp.n)])
+                    continue
+                req = _Request(prompt, sp, fut, seed)
+                reqs.append(req)
+                self._pending.append(req)
+            self._cond.notify_all()
+        for req in reqs:
+            req.future.add_done_callback(lambda f, r=req: self._on_future_done(f, r))
+        return futures
+
+    def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[Completion]]:
+        """Submit every prompt, wait for all; one list of completions per prompt, in order.
+
+        `params` as in `submit_many`. The first failed request's exception is raised.
+        """
+        return [f.result() for f in self.submit_many(prompts, params)]
+
+    def update_weights_sync(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Between decode steps: copy `named_tensors` into the model in place, then set `version`.
+
+        Names are the model's ``named_parameters()`` / ``named_buffers()`` names. A tensor that is the
+        model's own parameter (colocated trainer) is not copied. An unknown name or a shape mismatch
+        raises and leaves the version unchanged (tensors already copied stay copied).
+        """
+        with self._exclusive(), torch.no_grad():
+            try:
+                for name, tensor in named_tensors:
+                    dst = self._params.get(name)
+                    if dst is None:
+                        raise KeyError(
+                            f"update_weights: the model has no parameter or buffer {name!r}"
+                        )
+                    if tensor is dst or (
+                        tensor.data_ptr() == dst.data_ptr()
+                        and tensor.shape == dst.shape
+                        and tensor.dtype == dst.dtype
+                    ):
+                        continue
+                    if tensor.shape != dst.shape:
+                        raise ValueError(
+                            f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                            f"the model's is {tuple(dst.shape)}"
+                        )
+                    dst.copy_(tensor)
+                self._set_version(version)
+            finally:
+                # The weights may have changed even when nothing was copied (colocated trainer).
+                self._stale_kv = self._recompute_kv_on_update
+
+    def pause_sync(self) -> None:
+        """Stop the loop between decode steps; requests in flight keep their state. Returns once
+        no step is running; requests submitted meanwhile wait."""
+        self._check_not_engine_thread()
+        with self._mu:
+            self._paused = True
+        with self._step_lock:  # wait for the iteration in progress to end
+            pass
+
+    def resume_sync(self) -> None:
+        with self._mu:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort_sync(self) -> None:
+        """End every request in flight or waiting now: finish_reason "abort", the tokens so far kept."""
+        with self._exclusive():
+            self._abort_all()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Abort what is in flight and stop the loop thread. Idempotent; callable from a completion
+        callback (then the loop stops after its current iteration)."""
+        with self._mu:
+            self._closed = True
+            self._stopping = True  # the loop aborts what is left when it exits
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    stop = close
+
+    def __enter__(self) -> TorchEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start: requests, generated/prefill tokens, decode steps, busy seconds."""
+        with self._mu:
+            out = dict(self._stats)
+            out["running_rows"] = self._batch.n
+            out["waiting_requests"] = len(self._pending)
+        return out
+
+    # -- async API (the Engine protocol) -----------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        return await asyncio.wrap_future(self.submit(prompt_ids, params))
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        await asyncio.to_thread(self.update_weights_sync, named_tensors, version)
+
+    async def pause(self) -> None:
+        await asyncio.to_thread(self.pause_sync)
+
+    async def resume(self) -> None:
+        self.resume_sync()
+
+    async def abort(self) -> None:
+        await asyncio.to_thread(self.abort_sync)
+
+    # -- internals: control ------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt: list[int]) -> Exception | None:
+        if not prompt:
+            return ValueError("prompt_ids is empty; the engine needs at least one prompt token")
+        if len(prompt) >= self.max_seq_len:
+            return ValueError(
+                f"prompt has {len(prompt)} tokens; the engine's max_seq_len is {self.max_seq_len}"
+            )
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            return ValueError(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return None
+
+    def _on_future_done(self, fut: Future, req: _Request) -> None:
+        if fut.cancelled():
+            with self._mu:
+                self._cancelled.add(req)
+
+    def _check_not_engine_thread(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "TorchEngine control methods cannot be called from the engine thread (e.g. from a "
+                "future's done-callback); call them from another thread or from asyncio code"
+            )
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the step lock between two iterations (the loop yields to us before its next one)."""
+        self._check_not_engine_thread()
+        with self._mu:
+            self._interrupts += 1
+        try:
+            with self._step_lock, torch.inference_mode(False):
+                yield
+        finally:
+            with self._mu:
+                self._interrupts -= 1
+                self._cond.notify_all()
+
+    def _set_version(self, version: int) -> None:
+        version = int(version)
+        if version == self.version:
+            return
+        self.version = version
+        b = self._batch
+        if b.n:
+            for changes, ngen in zip(b.vchanges, b.ngen.tolist(), strict=True):
+                changes.append((ngen, version))
+
+    def _abort_all(self) -> None:
+        with self._mu:
+            pending = list(self._pending)
+            self._pending.clear()
+        for req in pending:
+            req.abort_unfinished()
+        b = self._batch
+        if b.n:
+            rows = list(range(b.n))
+            self._complete(b, rows, ["abort"] * len(rows))
+        self._batch = _Running(self._num_layers, self._device, self.max_batch_size)
+
+    # -- internals: the loop -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        died: BaseException | None = None
+        try:
+            self._loop()
+        except BaseException as exc:  # not an Exception (those are handled per iteration)
+            died = exc
+            raise
+        finally:
+            with self._mu:
+                self._closed = self._stopping = True
+            with self._step_lock, torch.inference_mode(False):
+                if died is None:
+                    self._abort_all()
+                else:  # never leave a caller waiting
+                    self._fail_all(RuntimeError(f"the TorchEngine thread died: {died!r}"))
+
+    def _loop(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        while True:
+            with self._mu:
+                while not self._stopping and (
+                    self._paused or self._interrupts or (not self._batch.n and not self._pending)
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            with self._step_lock:
+                with self._mu:  # re-check: a pause or a control operation may have come between
+                    if self._paused or self._interrupts or self._stopping:
+                        continue
+                t0 = time.perf_counter()
+                try:
+                    with torch.inference_mode():
+                        self._iteration()
+                except Exception as exc:  # never let the loop die: fail what is in flight
+                    self._fail_running(exc)
+                self._stats["busy_s"] += time.perf_counter() - t0
+
+    def _iteration(self) -> None:
+        if self._cancelled:
+            self._drop_cancelled()
+        if self._stale_kv:
+            self._stale_kv = False
+            if self._batch.n:
+                self._recompute_kv()
+        newcomers = self._take_pending()
+        if newcomers:
+            self._admit(newcomers)
+        if self._batch.n:
+            self._decode_step()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._mu:
+            pending = list(self._pending)
+            self._pending.clear()
+        for req in pending:
+            _set_exception(req.future, exc)
+        self._fail_running(exc)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        b = self._batch
+        self._batch = _Running(self._num_layers, self._device, self.max_batch_size)
+        for req in set(b.reqs):
+            _set_exception(req.future, exc)
+
+    def _drop_cancelled(self) -> None:
+        with self._mu:
+            cancelled, self._cancelled = self._cancelled, set()
+        b = self._batch
+        gone = [i for i, r in enumerate(b.reqs) if r in cancelled]
+        if gone:
+            b.remove(gone)
+
+    def _take_pending(self) -> list[_Request]:
+        taken: list[_Request] = []
+        rows, longest = self._batch.n, 0
+        with self._mu:
+            while self._pending:
+                req = self._pending[0]
+                if req.future.cancelled():
+                    self._pending.popleft()
+                    continue
+                n = req.params.n
+                longest_if = max(longest, len(req.prompt))
+                fits_rows = rows + n <= self.max_batch_size or rows == 0
+                fits_tokens = longest_if * (len(taken) + 1) <= self.max_prefill_tokens or not taken
+                if not (fits_rows and fits_tokens):
+                    break
+                self._pending.popleft()
+                taken.append(req)
+                rows += n
+                longest = longest_if
+        return taken
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _SlabCache
+    ) -> torch.Tensor:
+        """Logits of the last position, float32 [rows, vocab]. `mask` is a boolean [rows, 1, q, kv]."""
+        if self._eager:
+            mask = torch.zeros(mask.shape, dtype=self._dtype, device=self._device).masked_fill_(
+                ~mask, torch.finfo(self._dtype).min
+            )
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,  # a prepared 4D mask is used as is by HF's mask creation
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.geo.length += ids.shape[1]
+        return out.logits[:, -1, :].float()
+
+    def _admit(self, reqs: list[_Request]) -> None:
+        try:
+            staged = self._prefill(reqs)
+        except Exception as exc:
+            if len(reqs) == 1:
+                _set_exception(reqs[0].future, exc)
+                return
+            # Isolate the faulty request(s): prefill one by one.
+            for req in reqs:
+                self._admit([req])
+            return
+        if staged is not None:
+            try:
+                self._batch.join(*staged)
+            except Exception as exc:  # the running batch may be inconsistent: fail it too
+                for req in reqs:
+                    _set_exception(req.future, exc)
+                raise
+
+    def _prefill_forward(
+        self, seqs: list[list[int]], cache: _SlabCache, width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over `seqs` left-padded to `width` (default: the longest), filling `cache`.
+        Returns the last position's logits and each sequence's first real column."""
+        dev = self._device
+        lens = [len(x) for x in seqs]
+        width = width or max(lens)
+        pad = self.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in seqs], device=dev)
+        start = torch.tensor([width - n for n in lens], device=dev)
+        col = self._col[:width]
+        # Causal, not attending to left padding; a padding query attends to itself so that no row of
+        # the mask is empty (keeps the padding positions finite).
+        mask = (col[None, None, :] <= col[None, :, None]) & (
+            col[None, None, :] >= start[:, None, None]
+        )
+        mask |= torch.eye(width, dtype=torch.bool, device=dev)
+        pos = (col[None, :] - start[:, None]).clamp_(min=0)
+        logits = self._forward(ids, mask[:, None], pos, cache)
+        return logits, start
+
+    def _recompute_kv(self) -> None:
+        """Rebuild the running rows' KV cache under the current weights (after a weight update), so
+        that the tokens sampled from now on are exactly those of the new policy given the context."""
+        b = self._batch
+        ngen = b.ngen.tolist()
+        toks = b.out_tok_v.tolist()
+        # The cache holds prompt + generated[:-1]; the last generated token is the next input.
+        seqs = [b.reqs[r].prompt + toks[r][: ngen[r] - 1] for r in range(b.n)]
+        width = max(len(x) for x in seqs)
+        cols = width + b.remaining() + 1
+        chunk = max(1, self.max_prefill_tokens // width)
+        if chunk >= b.n:
+            cache = _SlabCache(self._num_layers, _Geometry(b.n), cols)
+            _, start = self._prefill_forward(seqs, cache)
+        else:  # several forwards, each padded to the common width, copied into one cache
+            cache, starts = None, []
+            for lo in range(0, b.n, chunk):
+                hi = min(lo + chunk, b.n)
+                part = _SlabCache(self._num_layers, _Geometry(hi - lo), width)
+                _, part_start = self._prefill_forward(seqs[lo:hi], part, width)
+                if cache is None:
+                    cache = _SlabCache(self._num_layers, _Geometry(b.n, 0, width), cols)
+                    for layer, src in zip(cache.layers, part.layers, strict=True):
+                        layer.lazy_initialization(
+                            src.keys.new_empty(b.n, *src.keys.shape[1:]),
+                            src.values.new_empty(b.n, *src.values.shape[1:]),
+                        )
+                for layer, src in zip(cache.layers, part.layers, strict=True):
+                    layer.keys[lo:hi, :, :width].copy_(src.keys[:, :, :width])
+                    layer.values[lo:hi, :, :width].copy_(src.values[:, :, :width])
+                starts.append(part_start)
+            start = torch.cat(starts)
+        b.cache, b.geo = cache, cache.geo
+        b.start.copy_(start)
+        self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
+
+    def _prefill(self, reqs: list[_Request]) -> tuple[_Rows, _SlabCache, torch.Tensor] | None:
+        """Prefill the prompts of `reqs` (each once), sample every sample's first token and retire
+        the samples that already finished. Returns the other rows, the prompts' cache and, for each
+        row, its prompt's row in that cache (None when every sample finished)."""
+        dev = self._device
+        lens = [len(r.prompt) for r in reqs]
+        width = max(lens)
+        cache = _SlabCache(self._num_layers, _Geometry(len(reqs)), width)
+        logits, _ = self._prefill_forward([r.prompt for r in reqs], cache)
+        self._stats["prefill_tokens"] += sum(lens)
+
+        # One row per sample: a prompt's cache and logits are shared by its n samples.
+        ns = [r.params.n for r in reqs]
+        owner = torch.repeat_interleave(
+            torch.arange(len(reqs), device=dev), torch.tensor(ns, device=dev)
+        )
+        row_reqs = [r for r, n in zip(reqs, ns, strict=True) for _ in range(n)]
+        sample_idx = [i for n in ns for i in range(n)]
+        ints_rows, float_rows, stop_rows = [], [], []
+        for r in reqs:
+            p = r.params
+            topk = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+            r.filtered = not r.greedy and (topk < self.vocab_size or p.top_p < 1.0)
+            maxnew = min(p.max_new_tokens, self.max_seq_len - len(r.prompt))
+            row = [0, len(r.prompt), width - len(r.prompt), 0, maxnew, topk, 0, int(r.filtered)]
+            frow = [1.0 if r.greedy else 1.0 / p.temperature, p.top_p]
+            stops = self.eos_token_ids + [int(t) for t in p.stop_token_ids]
+            for i in range(p.n):
+                row[_KEY] = sample_key(r.seed, i)
+                ints_rows.append(list(row))
+                float_rows.append(frow)
+                stop_rows.append(stops)
+        width_s = max(len(s) for s in stop_rows)
+        stop_rows = [s + [-1] * (width_s - len(s)) for s in stop_rows]
+        cap = max(row[_MAXNEW] for row in ints_rows)
+        nrows = len(row_reqs)
+        inc = _Rows(
+            torch.tensor(ints_rows, dtype=torch.long, device=dev),
+            torch.tensor(float_rows, dtype=torch.float32, device=dev),
+            torch.tensor(stop_rows, dtype=torch.long, device=dev),
+            torch.zeros(nrows, cap, dtype=torch.long, device=dev),
+            torch.zeros(nrows, cap, dtype=torch.float32, device=dev),
+            row_reqs,
+            sample_idx,
+            [[(0, self.version)] for _ in range(nrows)],
+        )
+        self._sample_and_record(inc, logits.index_select(0, owner))
+        done = self._retire_done(inc)
+        if done is not None:
+            finished = set(done)
+            keep = [i for i in range(nrows) if i not in finished]
+            if not keep:
+                return None
+            k = torch.tensor(keep, device=dev)
+            inc = _Rows(
+                inc.ints.index_select(0, k),
+                inc.floats.index_select(0, k),
+                inc.stops.index_select(0, k),
+                inc.out_tok.index_select(0, k),
+                inc.out_lp.index_select(0, k),
+                [row_reqs[i] for i in keep],
+                [sample_idx[i] for i in keep],
+                [inc.vchanges[i] for i in keep],
+            )
+            owner = owner.index_select(0, k)
+        return inc, cache, owner
+
+    def _sample_and_record(self, b: _Rows, logits: torch.Tensor) -> None:
+        """Draw the next token of every live row of `b` from `logits`; record it and its log-prob."""
+        ngen = b.ngen
+        tok, lp = self._sample(b, logits)
+        idx = ngen.unsqueeze(1)
+        b.out_tok_v.scatter_(1, idx, tok.unsqueeze(1))
+        b.out_lp_v.scatter_(1, idx, lp.unsqueeze(1))
+        b.tok.copy_(tok)
+        ngen += 1
+        self._stats["generated_tokens"] += b.n
+
+    def _sample(self, b: _Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if b.all_greedy:
+            tok = logits.argmax(1)
+            lse = torch.logsumexp(logits, 1)
+            return tok, logits.gather(1, tok.unsqueeze(1)).squeeze(1).sub_(lse)
+        scaled = logits.mul_(b.inv_t.unsqueeze(1))
+        lse = torch.logsumexp(scaled, 1, keepdim=True)
+        u = stream_uniform(b.key, b.ngen)
+        cdf = (scaled - lse).exp_().cumsum_(1)
+        tok = torch.searchsorted(cdf, u.unsqueeze(1).mul_(cdf[:, -1:])).squeeze(1)
+        tok.clamp_(max=self.vocab_size - 1)
+        if b.filt_idx is not None:
+            f = b.filt_idx
+            tok[f] = self._sample_filtered(
+                scaled.index_select(0, f),
+                lse.index_select(0, f),
+                u.index_select(0, f),
+                b.top_k.index_select(0, f),
+                b.top_p.index_select(0, f),
+            )
+        if b.greedy_idx is not None:
+            g = b.greedy_idx
+            tok[g] = scaled.index_select(0, g).argmax(1)  # inv_t is 1 for greedy rows
+        lp = scaled.gather(1, tok.unsqueeze(1)).sub_(lse).squeeze(1)
+        return tok, lp
+
+    def _sample_filtered(
+        self,
+        scaled: torch.Tensor,
+        lse: torch.Tensor,
+        u: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+    ) -> torch.Tensor:
+        values, order = scaled.sort(dim=1, descending=True, stable=True)
+        probs = (values - lse).exp_()
+        probs.mul_(self._vocab_col.unsqueeze(0) < top_k.unsqueeze(1))  # top-k
+        cum = probs.cumsum(1)
+        # top-p on the (renormalised) top-k mass: keep a token while the mass before it is < p.
+        probs.mul_((cum - probs) < top_p.unsqueeze(1) * cum[:, -1:])
+        cdf = probs.cumsum_(1)
+        j = torch.searchsorted(cdf, u.unsqueeze(1).mul_(cdf[:, -1:]))
+        j.clamp_(max=self.vocab_size - 1)
+        return order.gather(1, j).squeeze(1)
+
+    def _retire_done(self, b: _Rows) -> list[int] | None:
+        """Complete the rows that just finished; return them (sorted), or None when none did."""
+        hit = (b.stops_v == b.tok.unsqueeze(1)).any(1)
+        done = hit | (b.ngen >= b.maxnew)
+        if not bool(done.any()):
+            return None
+        rows = done.nonzero().squeeze(1).tolist()
+        hits = hit.tolist()
+        self._complete(b, rows, ["stop" if hits[i] else "length" for i in rows])
+        return rows
+
+    def _complete(self, b: _Rows, rows: list[int], reasons: list[str]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self._device)
+        ngens = b.ngen.index_select(0, idx).tolist()
+        toks = b.out_tok_v.index_select(0, idx).tolist()
+        lps = b.out_lp_v.index_select(0, idx).tolist()
+        for j, r in enumerate(rows):
+            g = ngens[j]
+            comp = Completion(
+                toks[j][:g], lps[j][:g], _expand_versions(b.vchanges[r], g), reasons[j]
+            )
+            b.reqs[r].finish_sample(b.sample_idx[r], comp)
+
+    def _decode_step(self) -> None:
+        b = self._batch
+        geo = b.geo
+        if geo.c0 + geo.length >= b.cache.layers[0].keys.shape[2]:
+            # Out of columns on the right (rows outlived the headroom): move to larger slabs.
+            b._realloc_cache(b.n, geo.length, max(b.remaining(), 16), b.cache)
+        mask = self._col[: b.geo.length + 1].unsqueeze(0) >= b.start.unsqueeze(1)
+        logits = self._forward(
+            b.tok.unsqueeze(1), mask[:, None, None, :], b.pos.unsqueeze(1), b.cache
+        )
+        b.pos += 1
+        self._sample_and_record(b, logits)
+        self._stats["decode_steps"] += 1
+        done = self._retire_done(b)
+        if done is not None:
+            b.remove(done)
