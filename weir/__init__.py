@@ -13,15 +13,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weir.config import Config, ConfigError, build_config, load_config
-
 if TYPE_CHECKING:
+    from weir.config import Config
     from weir.loop import RunResult
 
 __version__ = "0.1.0"
 
 
+def __getattr__(name: str) -> Any:
+    """Config helpers load on first use, so `import weir.algo` stays torch-only."""
+    if name in ("Config", "ConfigError", "build_config", "load_config"):
+        import weir.config
+
+        return getattr(weir.config, name)
+    raise AttributeError(f"module 'weir' has no attribute {name!r}")
+
+
 def _as_config(config: Config | dict[str, Any] | str | Path, overrides: list[str] | None) -> Config:
+    from weir.config import Config, build_config, load_config
+
     if isinstance(config, Config):
         return build_config(config.model_dump(), overrides) if overrides else config
     if isinstance(config, dict):

@@ -8,10 +8,11 @@ same signature: ``"my_pkg.mod:fn"`` or ``"my_pkg.mod.fn"``.
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
+
+from weir.plugins import resolve as resolve_plugin
 
 __all__ = ["Registry", "resolve", "call_with_options", "suggest"]
 
@@ -49,30 +50,6 @@ class Registry(dict[str, Callable[..., Any]]):
         return f"Registry({self.kind!r}, {sorted(self)})"
 
 
-def _import_dotted(path: str) -> Any:
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-    else:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
-        raise ValueError(
-            f"{path!r}: expected a dotted path 'package.module:function' or 'package.module.function'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{path!r}: cannot import module {module_name!r}: {e}") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            raise ValueError(
-                f"{path!r}: {module_name!r} has no attribute {part!r}{suggest(part, names)}"
-            ) from None
-    return obj
-
-
 def resolve(
     name_or_fn: str | Callable[..., Any],
     registry: Mapping[str, Callable[..., Any]] | None = None,
@@ -89,25 +66,7 @@ def resolve(
         ValueError: unknown name (the message lists the valid names and the nearest
             one), unimportable path, or a resolved object that is not callable.
     """
-    kind = kind or getattr(registry, "kind", "function")
-    if callable(name_or_fn):
-        return name_or_fn
-    if not isinstance(name_or_fn, str) or not name_or_fn:
-        raise ValueError(
-            f"{kind}: expected a registered name, a dotted path or a callable, got {name_or_fn!r}"
-        )
-    if registry is not None and name_or_fn in registry:
-        return registry[name_or_fn]
-    if ":" in name_or_fn or "." in name_or_fn:
-        obj = _import_dotted(name_or_fn)
-        if not callable(obj):
-            raise ValueError(f"{name_or_fn!r}: resolved to a non-callable {type(obj).__name__}")
-        return obj
-    valid = sorted(registry) if registry is not None else []
-    raise ValueError(
-        f"unknown {kind} {name_or_fn!r}; valid names: {', '.join(valid) or '(none)'}"
-        f"{suggest(name_or_fn, valid)} (or a dotted path 'pkg.module:function')"
-    )
+    return resolve_plugin(name_or_fn, registry or {}, kind or getattr(registry, "kind", "function"))
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv and install weir with its dev extras, never pulling a CUDA build of torch onto a
+# machine without an NVIDIA GPU. Idempotent: a second run only re-installs weir itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "${PIP[@]}" install "torch==$TORCH_VERSION"
+  else
+    # CPU machine: take the CPU build. TORCH_CPU_INDEX may name a CPU wheel index; without it pip
+    # uses its configured sources (on weir's reference machines a local CPU wheel).
+    "${PIP[@]}" install "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
+    "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if not torch.version.cuda else 1)" || {
+      echo "setup: a CUDA build of torch was installed on a machine without a GPU;" >&2
+      echo "       set TORCH_CPU_INDEX to a CPU wheel index and run again" >&2
+      exit 1
+    }
+  fi
+fi
+"${PIP[@]}" install -e ".[dev${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+echo "setup: ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import yaml
+from typer.testing import CliRunner
+
+from weir.cli.main import app
+
+runner = CliRunner()
+
+
+def test_print_config_applies_overrides():
+    res = runner.invoke(
+        app,
+        ["train", "examples/arithmetic.yaml", "rollout.n=3", "algo.kl.coef=0.01", "--print-config"],
+    )
+    assert res.exit_code == 0, res.output
+    cfg = yaml.safe_load(res.output)
+    assert cfg["rollout"]["n"] == 3 and cfg["algo"]["kl"]["coef"] == 0.01
+
+
+def test_config_error_exits_2_with_the_key():
+    res = runner.invoke(
+        app, ["train", "examples/arithmetic.yaml", "rollout.nn=3", "--print-config"]
+    )
+    assert res.exit_code == 2
+    assert "rollout.nn" in res.output and "rollout.n" in res.output
+
+
+def test_every_command_has_help():
+    for cmd in ("train", "sft", "eval", "demo", "config-docs"):
+        res = runner.invoke(app, [cmd, "--help"])
+        assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_config_docs_cover_every_key(tmp_path):
+    out = tmp_path / "configuration.md"
+    assert runner.invoke(app, ["config-docs", "--out", str(out)]).exit_code == 0
+    text = out.read_text()
+    for key in (
+        "rollout.n",
+        "algo.kl.coef",
+        "train.micro_batch_tokens",
+        "data.task_options",
+        "algo.correction.mode",
+    ):
+        assert f"`{key}`" in text
+
+
+def test_committed_config_reference_is_current():
+    from pathlib import Path
+
+    from weir.config.docs import config_reference
+
+    committed = Path(__file__).parents[1] / "docs" / "configuration.md"
+    assert committed.read_text() == config_reference(), (
+        "run `make docs` to regenerate docs/configuration.md"
+    )

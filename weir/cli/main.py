@@ -1,0 +1,141 @@
+"""The `weir` command line: train, sft, eval, demo, config-docs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from weir.config import ConfigError, dump_config, load_config
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="weir: RL post-training of language models."
+)
+console = Console(highlight=False)
+
+ConfigArg = Annotated[
+    Path | None, typer.Argument(help="YAML config file (see examples/). Omit for defaults.")
+]
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="Dotted overrides, e.g. rollout.n=8 train.lr=1e-4")
+]
+
+
+def _load(config: Path | None, overrides: list[str] | None):
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def train(
+    config: ConfigArg = None,
+    overrides: Overrides = None,
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="Print the resolved config and exit.")
+    ] = False,
+) -> None:
+    """Run RL training (synchronous loop) from a config file plus dotted overrides."""
+    cfg = _load(config, overrides)
+    if print_config:
+        sys.stdout.write(dump_config(cfg))
+        return
+    from weir.loop import run_sync
+
+    result = run_sync(cfg)
+    console.print(f"run directory: {result.dir}")
+    if result.model_dir:
+        console.print(f"trained model: {result.model_dir}")
+
+
+@app.command()
+def sft(config: ConfigArg = None, overrides: Overrides = None) -> None:
+    """Supervised warm start on prompt/response pairs; loss on response tokens only."""
+    cfg = _load(config, overrides)
+    from weir.loop.sft import run_sft
+
+    console.print(f"SFT model: {run_sft(cfg)}")
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[
+        str, typer.Argument(help="HF model directory (e.g. a run's model/) or hub name.")
+    ],
+    task: Annotated[
+        str | None, typer.Option(help="Built-in task: arithmetic, countdown, gsm8k.")
+    ] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="JSONL/Parquet of held-out rows (instead of --task).")
+    ] = None,
+    reward: Annotated[
+        str | None, typer.Option(help="Reward name or dotted path (default: the task's).")
+    ] = None,
+    n: Annotated[int, typer.Option(help="Samples per prompt (pass@k for k <= n).")] = 1,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    size: Annotated[int, typer.Option(help="Held-out rows of a built-in task.")] = 500,
+    max_new_tokens: Annotated[int, typer.Option()] = 64,
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path | None, typer.Option(help="Write the metrics as JSON here.")] = None,
+) -> None:
+    """Evaluate a model: mean reward, accuracy and pass@k with the built-in engine."""
+    overrides = [
+        f"model.path={model}",
+        f"eval.n={n}",
+        f"eval.temperature={temperature}",
+        f"eval.max_new_tokens={max_new_tokens}",
+        f"data.eval_size={size}",
+        f"run.seed={seed}",
+        "run.steps=0",
+    ]
+    if task:
+        overrides.append(f"data.task={task}")
+    if data:
+        overrides += [f"data.eval_source={data}", f"data.source={data}"]
+    if reward:
+        overrides.append(f"reward.function={reward}")
+    cfg = _load(None, overrides)
+    from weir.loop.evaluation import run_eval
+
+    metrics = run_eval(cfg)
+    table = Table(title=f"eval of {model}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.4f}")
+    console.print(table)
+    if out:
+        out.write_text(json.dumps(metrics, indent=2))
+
+
+@app.command()
+def demo(
+    task: Annotated[str, typer.Option(help="Demo task.")] = "arithmetic",
+    out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),
+    overrides: Overrides = None,
+) -> None:
+    """Build a tiny model, warm-start it by SFT, train it by GRPO, and show held-out accuracy before and after."""
+    from weir.loop.demo import run_demo
+
+    run_demo(task, out, overrides or [], console=console)
+
+
+@app.command("config-docs")
+def config_docs(out: Annotated[Path, typer.Option()] = Path("docs/configuration.md")) -> None:
+    """Regenerate the configuration reference from the config models."""
+    from weir.config.docs import config_reference
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(config_reference())
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,250 @@
+"""The typed config tree. Every field has a default, a range where one makes sense, and a docstring.
+
+docs/configuration.md is generated from these models (`weir config-docs`), so it never drifts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+class RunConfig(Section):
+    name: str = "weir"
+    """Run name, used in logs and the default run directory."""
+    dir: str | None = None
+    """Run directory (config, metrics.jsonl, checkpoints, final model). Default: runs/<name>."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    steps: int = Field(20, ge=0)
+    """Number of RL steps (one batch of prompts each)."""
+    eval_every: int = Field(5, ge=0)
+    """Evaluate on the held-out split every N steps (0: only before and after training)."""
+    save_model: bool = True
+    """Write the trained model as a standard HF directory to <dir>/model at the end."""
+    overwrite: bool = True
+    """Reuse an existing run directory (metrics.jsonl is rewritten)."""
+
+
+class ModelConfig(Section):
+    path: str = "tiny:tiny"
+    """HF model directory or hub name; `tiny:<size>` builds weir's tiny model (nano, tiny, small)."""
+    arch: Literal["qwen3", "llama"] = "qwen3"
+    """Architecture of a `tiny:` model."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the trainer and built-in engine."""
+    threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (default: torch's choice)."""
+    init_seed: int = 0
+    """Seed for the random init of a `tiny:` model."""
+
+
+class DataConfig(Section):
+    task: str | None = "arithmetic"
+    """Built-in task (arithmetic, countdown, gsm8k) providing data and reward; null to use `source`."""
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic or {data_dir: ...} for gsm8k."""
+    source: str | None = None
+    """Training prompts: a JSONL/Parquet file, a `datasets` directory, or a dotted path to an iterable."""
+    eval_source: str | None = None
+    """Held-out prompts (same formats). Default: the task's test split."""
+    train_size: int = Field(20000, ge=1)
+    """Rows generated for a synthetic task's train split."""
+    eval_size: int = Field(500, ge=1)
+    """Held-out rows used by evaluation."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt text (or use `messages`)."""
+    answer_key: str = "answer"
+    """Field of a row holding the ground truth passed to the reward."""
+    system_prompt: str | None = None
+    """System message prepended when the chat template is used."""
+    chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """Longer prompts are handled per `on_long_prompt`."""
+    on_long_prompt: Literal["skip", "error"] = "skip"
+    """`skip` drops and counts over-long prompts; `error` stops the run."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch, deterministically by seed."""
+
+
+class RolloutConfig(Section):
+    function: str = "weir.rollout.single_turn:rollout"
+    """`async (ctx, row) -> Group`: how one prompt becomes a group of samples."""
+    n: int = Field(8, ge=1)
+    """Responses per prompt (group size)."""
+    batch_prompts: int = Field(32, ge=1)
+    """Prompts per RL step."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; the trainer scales logits by the same value."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; 1 disables."""
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest response; longer ones end with status `truncated`."""
+    filter: str | None = None
+    """`(group) -> bool` keeping a group; e.g. `weir.rollout.filters:nonzero_std` (DAPO dynamic sampling)."""
+    max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Stop the run when more than this fraction of a step's samples failed."""
+
+
+class RewardConfig(Section):
+    function: str | None = None
+    """Reward name (exact_match, numeric, math, format) or dotted path; default: the task's reward."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the reward function."""
+    timeout_s: float | None = Field(30.0, gt=0)
+    """A reward call taking longer fails that sample."""
+
+
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0.0)
+    """KL-to-reference coefficient; 0 disables the reference model."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimators: k1 = log r, k2 = (log r)^2/2, k3 = r - 1 - log r."""
+    as_reward: bool = False
+    """Subtract coef * KL from per-token rewards instead of adding it to the loss."""
+    adaptive_target: float | None = Field(None, gt=0)
+    """Adapt the coefficient toward this KL per token (Ziegler et al. 2019); only with as_reward."""
+    adaptive_horizon: int = Field(10000, ge=1)
+    """Samples over which the adaptive coefficient moves by its full proportional error."""
+
+
+class CorrectionConfig(Section):
+    mode: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
+    """Correction of the engine/trainer log-prob mismatch (truncated importance sampling or masking)."""
+    cap: float = Field(2.0, gt=0)
+    """Truncation cap C for TIS weights."""
+    low: float = Field(0.5, gt=0)
+    """Masking modes drop tokens / sequences whose trainer/engine ratio is below this."""
+    high: float = Field(2.0, gt=0)
+    """Masking modes drop tokens / sequences whose trainer/engine ratio is above this."""
+
+
+class AlgoConfig(Section):
+    advantage: str = "grpo"
+    """grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, or a dotted path."""
+    advantage_options: dict[str, Any] = Field(default_factory=dict)
+    """e.g. {norm_by_std: false} for Dr.GRPO, {gamma: 1.0}."""
+    policy_loss: str = "ppo"
+    """ppo, gspo, cispo, reinforce, decoupled_ppo, or a dotted path."""
+    loss_options: dict[str, Any] = Field(default_factory=lambda: {"eps_low": 0.2, "eps_high": 0.28})
+    """Options of the policy loss (clip bounds, dual clip, ...)."""
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses become one number (see docs/algorithms.md)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (subtracted from the loss)."""
+    kl: KLConfig = Field(default_factory=KLConfig)
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+    """Old-policy log-probs: recomputed by the trainer before the update, or the engine's."""
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+
+
+class TrainConfig(Section):
+    lr: float = Field(1e-5, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Cosine schedule floor as a fraction of lr."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment coefficients."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm; null disables."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per RL step: the batch is split into this many mini-batches."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the RL batch (PPO epochs)."""
+    micro_batch_tokens: int = Field(8192, ge=16)
+    """Token budget of one packed forward/backward (gradient accumulation beyond it)."""
+
+
+class EngineConfig(Section):
+    type: Literal["torch"] = "torch"
+    """Inference engine. `torch` is built in; vllm and sglang are planned."""
+    max_batch_size: int = Field(256, ge=1)
+    """Rows decoded together by the built-in engine."""
+    share_weights: bool = True
+    """Colocated: the built-in engine runs on the trainer's own module (no weight copy)."""
+
+
+class EvalConfig(Section):
+    temperature: float = Field(0.0, ge=0.0)
+    """0 is greedy."""
+    n: int = Field(1, ge=1)
+    """Samples per prompt (pass@k uses k <= n)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Default: rollout.max_new_tokens."""
+
+
+class SFTConfig(Section):
+    data: str | None = None
+    """JSONL/Parquet of {prompt, response}; default: the task's SFT generator."""
+    rows: int = Field(4000, ge=1)
+    """Rows generated from the task when `data` is null."""
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the task's SFT generator (e.g. {corrupt: 0.7})."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the SFT rows."""
+    batch_size: int = Field(64, ge=1)
+    """Examples per optimizer step."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate (AdamW, betas 0.9/0.95)."""
+    warmup_steps: int = Field(10, ge=0)
+    """Optimizer steps of linear warm-up."""
+    schedule: Literal["constant", "cosine"] = "cosine"
+    """Decay after warm-up (cosine floors at 5% of lr)."""
+
+
+class TelemetryConfig(Section):
+    console: bool = True
+    """Print a line of metrics per step."""
+    jsonl: bool = True
+    """Write metrics.jsonl in the run directory."""
+
+
+class Config(Section):
+    """The whole run. Load from YAML with `load_config`; override with dotted keys."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        total = self.rollout.batch_prompts * self.rollout.n
+        if total % self.train.mini_batches:
+            raise ValueError(
+                f"train.mini_batches={self.train.mini_batches} must divide rollout.batch_prompts * rollout.n = {total}"
+            )
+        if self.data.task is None and self.data.source is None:
+            raise ValueError("set data.task to a built-in task or data.source to your prompts")
+        if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
+            raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
+        return self
+
+    @property
+    def correction_needs_engine_logprobs(self) -> bool:
+        return self.algo.correction.mode != "none"

@@ -1,0 +1,178 @@
+"""Build the pieces of a run from its config: model, data, reward, engine, rollout contexts, trainer.
+
+This is the one place that knows every package; the drivers only call what it returns.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weir.config import Config
+from weir.data.prompts import PromptTooLong, encode_prompt
+from weir.data.sources import PromptSource, load_rows
+from weir.engine.base import SamplingParams
+from weir.engine.torch_engine import TorchEngine
+from weir.plugins import resolve
+from weir.rollout.rewards import REWARDS, get_reward
+from weir.rollout.single_turn import RolloutContext
+from weir.tasks import get_task
+from weir.train.actor import Actor
+from weir.train.model import eos_token_ids, load_model, resolve_model_path
+
+
+@dataclass
+class Components:
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: TorchEngine
+    trainer: Actor
+    prompts: PromptSource
+    eval_rows: list[dict]
+    ctx: RolloutContext
+    eval_ctx: RolloutContext
+    rollout_fn: Callable
+    keep: Callable | None
+
+
+def task_rows(cfg: Config, split: str) -> list[dict]:
+    """Rows of the configured data source or built-in task for `split` ("train" or "test")."""
+    d = cfg.data
+    source = d.source if split == "train" else d.eval_source
+    if source is not None:
+        return load_rows(source)
+    if d.task is None:
+        raise ValueError(
+            f"no {split} data: set data.eval_source (or data.task for a built-in task)"
+        )
+    n = d.train_size if split == "train" else d.eval_size
+    seed = cfg.run.seed if split == "train" else cfg.run.seed + 10_000
+    rows = get_task(d.task).make_rows(split, n, seed, **d.task_options)
+    return rows[:n]
+
+
+def make_encoder(cfg: Config, tokenizer: Any) -> Callable[[dict], list[int]]:
+    """row -> prompt ids with the configured template and length policy."""
+    d = cfg.data
+    encode = partial(
+        encode_prompt,
+        tokenizer,
+        prompt_key=d.prompt_key,
+        system_prompt=d.system_prompt,
+        use_chat_template=d.chat_template,
+        max_prompt_tokens=d.max_prompt_tokens,
+    )
+    if d.on_long_prompt == "skip":
+        return encode
+
+    def strict(row: dict) -> list[int]:
+        try:
+            return encode(row)
+        except PromptTooLong as err:
+            raise ValueError(
+                f"{err}; raise data.max_prompt_tokens or set data.on_long_prompt=skip"
+            ) from None
+
+    return strict
+
+
+def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
+    spec = (
+        reward or cfg.reward.function or (get_task(cfg.data.task).reward if cfg.data.task else None)
+    )
+    if spec is None:
+        raise ValueError(
+            "no reward: set reward.function (a built-in name or a dotted path) or data.task"
+        )
+    kwargs = dict(cfg.reward.kwargs)
+    if cfg.data.answer_key != "answer" and (isinstance(spec, str) and spec in REWARDS):
+        kwargs.setdefault("answer_key", cfg.data.answer_key)
+    return get_reward(spec, **kwargs)
+
+
+def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
+    """The built-in engine on the trainer's module (colocated) or on its own copy."""
+    if not cfg.engine.share_weights:
+        model = copy.deepcopy(model)
+    return TorchEngine(
+        model,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        max_batch_size=cfg.engine.max_batch_size,
+        seed=cfg.run.seed,
+    )
+
+
+def make_contexts(
+    cfg: Config, engine: TorchEngine, tokenizer: Any, reward: Callable | None = None
+) -> tuple[RolloutContext, RolloutContext]:
+    """Rollout contexts for training (rollout.* sampling) and evaluation (eval.* sampling)."""
+    r, e = cfg.rollout, cfg.eval
+    train_ctx = RolloutContext(
+        engine=engine,
+        tokenizer=tokenizer,
+        sampling=SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+        ),
+        reward_fn=reward_function(cfg, reward),
+        encode=make_encoder(cfg, tokenizer),
+        reward_timeout_s=cfg.reward.timeout_s,
+    )
+    eval_ctx = train_ctx.with_sampling(
+        n=e.n,
+        temperature=e.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=e.max_new_tokens or r.max_new_tokens,
+        seed=cfg.run.seed,
+    )
+    return train_ctx, eval_ctx
+
+
+def load_run_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
+    """Seed, set threads, build a `tiny:` model if asked, and load model and tokenizer."""
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    torch.manual_seed(cfg.run.seed)
+    path = resolve_model_path(
+        cfg.model.path, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed
+    )
+    return load_model(path, cfg.model.dtype)
+
+
+def build(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    reward: Callable | None = None,
+    rollout: Callable | None = None,
+    filter: Callable | None = None,
+) -> Components:
+    """Everything a driver needs; plugins given as Python objects take precedence over the config."""
+    model, tokenizer = load_run_model(cfg, run_dir)
+    trainer = Actor(model, cfg)
+    engine = make_engine(cfg, model, tokenizer)
+    ctx, eval_ctx = make_contexts(cfg, engine, tokenizer, reward)
+    spec = filter or cfg.rollout.filter
+    return Components(
+        model=model,
+        tokenizer=tokenizer,
+        engine=engine,
+        trainer=trainer,
+        prompts=PromptSource(task_rows(cfg, "train"), seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        eval_rows=task_rows(cfg, "test"),
+        ctx=ctx,
+        eval_ctx=eval_ctx,
+        rollout_fn=resolve(rollout or cfg.rollout.function, {}, "rollout.function"),
+        keep=resolve(spec, {}, "rollout.filter") if spec else None,
+    )

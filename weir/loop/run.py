@@ -1,0 +1,76 @@
+"""A run: its directory, version counter, step metrics, evaluation schedule and final model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weir.config import Config, dump_config
+from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.run.dir or Path("runs") / cfg.run.name)
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (e.g. too many failed samples in a step); the message says why."""
+
+
+@dataclass
+class Run:
+    cfg: Config
+    dir: Path
+    logger: MetricsLogger
+    version: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    _t: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def open(cls, cfg: Config, total_steps: int | None = None) -> Run:
+        """Make the run directory, write the resolved config, open the metric sinks."""
+        run_dir = run_dir_of(cfg)
+        if run_dir.exists() and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+            raise RunError(
+                f"run directory {run_dir} already has metrics; set run.overwrite=true or a new run.dir"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        sinks = []
+        if cfg.telemetry.jsonl:
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if cfg.telemetry.console:
+            sinks.append(ConsoleSink(cfg.run.steps if total_steps is None else total_steps))
+        return cls(cfg=cfg, dir=run_dir, logger=MetricsLogger(sinks))
+
+    def steps(self) -> range:
+        return range(1, self.cfg.run.steps + 1)
+
+    def bump_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    def should_eval(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return step == self.cfg.run.steps or (every > 0 and step % every == 0)
+
+    def log(self, step: int, *parts: dict[str, float]) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for p in parts:
+            metrics.update(p)
+        now = time.perf_counter()
+        metrics["time/step"] = now - self._t
+        metrics["version"] = float(self.version)
+        self._t = now
+        self.history.append(metrics)
+        if any(k.startswith("eval/") for k in metrics):
+            self.evals.append(
+                {"step": step, **{k: v for k, v in metrics.items() if k.startswith("eval/")}}
+            )
+        self.logger.log(step, metrics)
+        return metrics
+
+    def close(self) -> None:
+        self.logger.close()

@@ -1,0 +1,68 @@
+"""The SFT driver: supervised warm start on (prompt, response) rows, saved as an HF model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from weir.config import Config
+from weir.data.sources import load_rows
+from weir.loop.components import make_encoder
+from weir.loop.run import Run, run_dir_of
+from weir.tasks import get_task
+from weir.train.model import eos_token_ids, load_model, resolve_model_path, save_model
+from weir.train.sft import sft
+
+
+def sft_examples(cfg: Config, tokenizer, eos: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids + eos) pairs from sft.data or the task's SFT generator."""
+    if cfg.sft.data is not None:
+        rows = load_rows(cfg.sft.data)
+    elif cfg.data.task is not None:
+        rows = get_task(cfg.data.task).sft_rows(cfg.sft.rows, cfg.run.seed, **cfg.sft.task_options)
+    else:
+        raise ValueError(
+            "no SFT data: set sft.data to a JSONL/Parquet file of {prompt, response} or data.task"
+        )
+    encode = make_encoder(cfg, tokenizer)
+    out = []
+    for i, row in enumerate(rows):
+        if "response" not in row:
+            raise ValueError(f"SFT row {i} has no 'response' field (keys: {sorted(row)})")
+        response = tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]
+        out.append((encode(row), [*response, eos]))
+    return out
+
+
+def run_sft(cfg: Config) -> Path:
+    """Warm-start `cfg.model.path` on SFT data; returns the saved model directory (<run dir>/model)."""
+    torch.manual_seed(cfg.run.seed)
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    models_dir = run_dir_of(cfg).parent / ".models"
+    path = resolve_model_path(
+        cfg.model.path, models_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
+    )
+    model, tokenizer = load_model(path, cfg.model.dtype)
+    examples = sft_examples(cfg, tokenizer, eos_token_ids(model, tokenizer)[0])
+    total = -(-len(examples) // cfg.sft.batch_size) * cfg.sft.epochs
+    every = max(1, total // 10)
+    run = Run.open(cfg, total_steps=total)
+    try:
+
+        def on_step(step: int, total: int, metrics: dict[str, float]) -> None:
+            if step % every == 0 or step == total:
+                run.log(step, metrics)
+
+        sft(
+            model.train(),
+            examples,
+            cfg.sft,
+            seed=cfg.run.seed,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+            on_step=on_step,
+        )
+        return save_model(model.eval(), tokenizer, run.dir / "model")
+    finally:
+        run.close()

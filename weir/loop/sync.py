@@ -1,0 +1,77 @@
+"""The synchronous driver: generate, score, train, push weights; one step after another."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from weir.config import Config
+from weir.loop.components import Components, build
+from weir.loop.run import Run, RunError
+from weir.rollout.collect import collect_groups, failure_summary
+from weir.rollout.evaluate import evaluate
+from weir.train.batch import make_batch
+from weir.train.model import save_model
+
+
+@dataclass
+class RunResult:
+    dir: Path
+    history: list[dict[str, float]]
+    evals: list[dict[str, float]]
+    model_dir: Path | None
+
+
+def run_sync(
+    cfg: Config,
+    *,
+    reward: Callable | None = None,
+    rollout: Callable | None = None,
+    filter: Callable | None = None,
+) -> RunResult:
+    """Train with the synchronous loop; plugins may be passed as Python objects instead of dotted paths."""
+    run = Run.open(cfg)
+    parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
+    try:
+        run.log(0, eval_metrics(parts))
+        for step in run.steps():
+            rows = parts.prompts.next_batch(cfg.rollout.batch_prompts)
+            groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
+            check_failures(cfg, groups, gen)
+            batch = make_batch(groups, version=run.version)
+            stats = parts.trainer.train(batch)
+            sync = push_weights(parts, run.bump_version())
+            evals = eval_metrics(parts) if run.should_eval(step) else {}
+            run.log(step, gen, batch.metrics, stats, sync, evals)
+        model_dir = (
+            save_model(parts.model, parts.tokenizer, run.dir / "model")
+            if cfg.run.save_model
+            else None
+        )
+        return RunResult(run.dir, run.history, run.evals, model_dir)
+    finally:
+        parts.engine.close()
+        run.close()
+
+
+def push_weights(parts: Components, version: int) -> dict[str, float]:
+    """Send the trainer's weights to the engine (in-process) and stamp the new version."""
+    start = time.perf_counter()
+    asyncio.run(parts.engine.update_weights(parts.trainer.weights(), version))
+    return {"time/sync": time.perf_counter() - start}
+
+
+def eval_metrics(parts: Components) -> dict[str, float]:
+    metrics, _ = evaluate(parts.eval_ctx, parts.eval_rows, parts.rollout_fn)
+    return metrics
+
+
+def check_failures(cfg: Config, groups, gen: dict[str, float]) -> None:
+    if gen["rollout/failed_frac"] > cfg.rollout.max_failed_fraction:
+        raise RunError(
+            f"{gen['rollout/failed_frac']:.0%} of this step's samples failed "
+            f"(rollout.max_failed_fraction={cfg.rollout.max_failed_fraction}); most frequent: {failure_summary(groups)}"
+        )

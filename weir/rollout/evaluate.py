@@ -1,0 +1,47 @@
+"""Evaluation: mean reward, accuracy and unbiased pass@k over held-out rows with the engine."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from weir.rollout.collect import collect_groups
+from weir.rollout.single_turn import RolloutContext
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n - c, k) / C(n, k) for c correct of n samples."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(
+    ctx: RolloutContext, rows: list[dict], fn: Callable, *, correct_at: float = 1.0
+) -> tuple[dict[str, float], list]:
+    """Roll out `rows` with `ctx`'s (eval) sampling; a sample is correct when reward >= `correct_at`.
+
+    Returns metrics (eval/reward, eval/accuracy, eval/pass@k for k = 1, 2, 4, ... <= n) and the groups.
+    """
+    groups, gen = collect_groups(ctx, rows, fn)
+    n = ctx.sampling.n
+    rewards, per_prompt = [], []
+    for g in groups:
+        rs = [s.reward if s.reward is not None else 0.0 for s in g.samples]
+        rewards.extend(rs)
+        per_prompt.append(sum(r >= correct_at for r in rs))
+    metrics = {
+        "eval/reward": sum(rewards) / max(len(rewards), 1),
+        "eval/accuracy": sum(per_prompt) / max(len(per_prompt) * n, 1),
+        "eval/prompts": float(len(groups)),
+        "eval/failed": gen["rollout/failed"],
+        "eval/response_length": gen["response/length_mean"],
+        "eval/time": gen["time/generate"],
+    }
+    k = 1
+    while k <= n:
+        metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / max(
+            len(per_prompt), 1
+        )
+        k *= 2
+    return metrics, groups

@@ -1,0 +1,56 @@
+"""The default rollout function: one prompt, `n` sampled responses, each scored by the reward."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from weir.data.sample import Group, Sample, Status
+from weir.engine.base import Engine, SamplingParams
+from weir.rollout.rewards import score
+
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout function may use: the engine, the tokenizer, sampling, the reward and encoding.
+
+    `encode(row) -> prompt_ids` applies the configured chat template and length limit.
+    """
+
+    engine: Engine
+    tokenizer: Any
+    sampling: SamplingParams
+    reward_fn: Callable
+    encode: Callable[[dict], list[int]]
+    reward_timeout_s: float | None = 30.0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def with_sampling(self, **changes: Any) -> RolloutContext:
+        return replace(self, sampling=replace(self.sampling, **changes))
+
+
+async def rollout(ctx: RolloutContext, row: dict) -> Group:
+    """Generate `ctx.sampling.n` responses to `row`'s prompt and score each with the reward function."""
+    prompt_ids = ctx.encode(row)
+    completions = await ctx.engine.generate(prompt_ids, ctx.sampling)
+    samples = [
+        Sample(
+            prompt_ids=prompt_ids,
+            response_ids=list(c.token_ids),
+            rollout_logprobs=list(c.logprobs),
+            versions=list(c.versions),
+            status=FINISH_STATUS.get(c.finish_reason, Status.COMPLETED),
+            index=i,
+            row=row,
+            response_text=ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+        )
+        for i, c in enumerate(completions)
+    ]
+    await asyncio.gather(
+        *(score(ctx.reward_fn, s, row, timeout_s=ctx.reward_timeout_s) for s in samples)
+    )
+    return Group(samples=samples, row=row)

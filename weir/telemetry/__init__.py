@@ -1,0 +1,5 @@
+"""Metric sinks and console output."""
+
+from weir.telemetry.sinks import ConsoleSink, JsonlSink, MetricsLogger
+
+__all__ = ["ConsoleSink", "JsonlSink", "MetricsLogger"]

@@ -1,0 +1,1 @@
+"""Trainer side: model loading, packing, actor, SFT."""

@@ -1,0 +1,245 @@
+"""The actor: log-probs, advantages and policy-gradient updates on packed micro-batches.
+
+One `train(batch)` call is one RL step: recompute old / reference log-probs if configured,
+compute advantages, then `epochs x mini_batches` optimizer steps, each accumulating gradients over
+packed micro-batches. Loss aggregation uses the token / sequence counts of the whole mini-batch, so
+the gradient does not depend on how it was split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import defaultdict
+
+import torch
+
+from weir import algo
+from weir.config import Config
+from weir.train.batch import TrainBatch
+from weir.train.optim import make_optimizer, make_schedule
+from weir.train.packing import pack_by_tokens, packed_response_logprobs
+
+
+class Actor:
+    """Policy model, optimizer and schedule, plus an optional frozen reference for KL."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
+        self.model = model.eval()  # dropout off: log-probs must be deterministic for RL
+        self.cfg = cfg
+        self.tcfg, self.acfg = cfg.train, cfg.algo
+        self.temperature = cfg.rollout.temperature or 1.0
+        self.optimizer = make_optimizer(
+            model.parameters(),
+            lr=self.tcfg.lr,
+            betas=self.tcfg.betas,
+            weight_decay=self.tcfg.weight_decay,
+        )
+        total = max(1, cfg.run.steps * self.tcfg.mini_batches * self.tcfg.epochs)
+        self.scheduler = make_schedule(
+            self.optimizer,
+            warmup_steps=self.tcfg.warmup_steps,
+            total_steps=total,
+            kind=self.tcfg.schedule,
+            min_lr_ratio=self.tcfg.min_lr_ratio,
+        )
+        self.advantage_fn = algo.resolve(
+            self.acfg.advantage, algo.ADVANTAGES, kind="algo.advantage"
+        )
+        self.loss_fn = algo.resolve(
+            self.acfg.policy_loss, algo.POLICY_LOSSES, kind="algo.policy_loss"
+        )
+        kl = self.acfg.kl
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if kl.coef > 0 else None
+        if kl.adaptive_target is not None:
+            self.kl_ctl = algo.AdaptiveKLController(
+                kl.coef, kl.adaptive_target, kl.adaptive_horizon
+            )
+        else:
+            self.kl_ctl = algo.FixedKLController(kl.coef)
+        self.skipped_updates = 0
+        self.updates = 0
+
+    @property
+    def needs_recompute(self) -> bool:
+        return (
+            self.acfg.old_logprobs == "recompute"
+            or self.acfg.policy_loss == "decoupled_ppo"
+            or self.acfg.correction.mode != "none"
+        )
+
+    @torch.no_grad()
+    def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        """(B, T) log-probs of the batch's response tokens under `model`, without gradients."""
+        out = torch.zeros_like(batch.response_mask)
+        seqs, lens = batch.sequences, batch.response_lengths
+        for idx in pack_by_tokens([len(s) for s in seqs], self.tcfg.micro_batch_tokens):
+            res = packed_response_logprobs(
+                model,
+                [seqs[i] for i in idx],
+                [lens[i] for i in idx],
+                temperature=self.temperature,
+                pad_to=out.shape[1],
+            )
+            out[idx] = res.logprobs
+        return out
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL step of updates on `batch`; returns metrics (loss, clip fraction, KL, grad norm...)."""
+        start = time.perf_counter()
+        mask, stats = batch.response_mask, {}
+        old = self.logprobs(self.model, batch) if self.needs_recompute else batch.rollout_logprobs
+        if self.needs_recompute:
+            stats.update(self._mismatch(old, batch))
+        ref = self.logprobs(self.ref, batch) if self.ref is not None else None
+        token_rewards, weights = None, None
+        if ref is not None:
+            kl_tok = algo.kl_penalty(old, ref, self.acfg.kl.estimator) * mask
+            stats["kl/ref"] = (kl_tok.sum() / mask.sum()).item()
+            if self.acfg.kl.as_reward:
+                token_rewards = -self.kl_ctl.value * kl_tok
+                self.kl_ctl.update(stats["kl/ref"], len(batch))
+                stats["kl/coef"] = self.kl_ctl.value
+        if self.acfg.correction.mode != "none":
+            c = self.acfg.correction
+            corr = algo.rollout_correction(
+                old, batch.rollout_logprobs, mask, mode=c.mode, cap=c.cap, low=c.low, high=c.high
+            )
+            weights, mask = corr.weights, corr.mask
+            stats.update({f"correction/{k}": v for k, v in corr.metrics.items()})
+        adv = algo.compute_advantages(
+            self.advantage_fn,
+            batch.rewards,
+            mask,
+            batch.group_ids,
+            token_rewards=token_rewards,
+            **self.acfg.advantage_options,
+        )
+        stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
+        if adv.mask is not None:
+            mask = adv.mask  # samples with non-finite rewards are excluded
+        sums: dict[str, float] = defaultdict(float)
+        grad_norms: list[float] = []
+        n_tokens = 0.0
+        self._mismatch_sums = [0.0, 0.0]
+        for epoch in range(self.tcfg.epochs):
+            order = torch.randperm(
+                len(batch), generator=torch.Generator().manual_seed(self.updates + epoch)
+            )
+            for i, mb in enumerate(order.chunk(self.tcfg.mini_batches)):
+                first = (
+                    epoch == 0 and i == 0
+                )  # weights not yet updated: trainer logp vs engine logp
+                metrics = self._update(
+                    batch,
+                    mb.sort().values.tolist(),
+                    mask,
+                    old,
+                    ref,
+                    adv.advantages,
+                    weights,
+                    first=first,
+                )
+                tok = metrics.pop("_tokens")
+                n_tokens += tok
+                grad_norms.append(metrics.pop("grad_norm"))
+                for k, v in metrics.items():
+                    sums[k] += v * tok
+        stats.update({k: v / max(n_tokens, 1.0) for k, v in sums.items()})
+        if self._mismatch_sums[1]:
+            stats["mismatch/abs_logp_diff"] = self._mismatch_sums[0] / self._mismatch_sums[1]
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        stats["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        stats["train/skipped_updates"] = float(self.skipped_updates)
+        stats["train/lr"] = self.scheduler.get_last_lr()[0]
+        elapsed = time.perf_counter() - start
+        stats["time/train"] = elapsed
+        stats["throughput/train_tokens_per_s"] = (
+            sum(len(s) for s in batch.sequences) * self.tcfg.epochs / elapsed
+        )
+        return stats
+
+    def _update(
+        self, batch, mb, mask, old, ref, advantages, weights, *, first: bool
+    ) -> dict[str, float]:
+        """Accumulate gradients over the packed micro-batches of mini-batch `mb`, then step."""
+        seqs, lens = batch.sequences, batch.response_lengths
+        width = mask.shape[1]
+        num_tokens = float(mask[mb].sum().item())
+        num_seqs = float(len(mb))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        for local in pack_by_tokens([len(seqs[i]) for i in mb], self.tcfg.micro_batch_tokens):
+            idx = [mb[j] for j in local]
+            out = packed_response_logprobs(
+                self.model,
+                [seqs[i] for i in idx],
+                [lens[i] for i in idx],
+                temperature=self.temperature,
+                with_entropy=True,
+                entropy_grad=self.acfg.entropy_coef != 0,
+                pad_to=width,
+            )
+            m = mask[idx]
+            kl_in_loss = ref is not None and not self.acfg.kl.as_reward
+            loss, pg = algo.compute_policy_loss(
+                self.loss_fn,
+                out.logprobs,
+                old[idx],
+                advantages[idx],
+                m,
+                agg=self.acfg.loss_agg,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                max_len=self.cfg.rollout.max_new_tokens,
+                behavior_logp=batch.rollout_logprobs[idx]
+                if self.acfg.policy_loss == "decoupled_ppo"
+                else None,
+                weights=None if weights is None else weights[idx],
+                ref_logp=ref[idx] if kl_in_loss else None,
+                kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
+                kl_kind=self.acfg.kl.estimator,
+                entropy=out.entropy,
+                entropy_coef=self.acfg.entropy_coef,
+                **self.acfg.loss_options,
+            )
+            loss.backward()
+            share = float(m.sum().item()) / max(num_tokens, 1.0)
+            sums["train/loss"] += loss.item()
+            for k, v in pg.items():
+                if k not in ("loss", "tokens"):
+                    sums[f"policy/{k}" if k not in ("entropy", "kl_ref") else f"train/{k}"] += (
+                        v * share
+                    )
+            if first and not self.needs_recompute:
+                self._mismatch_sums[0] += (
+                    ((out.logprobs.detach() - batch.rollout_logprobs[idx]) * m).abs().sum().item()
+                )
+                self._mismatch_sums[1] += m.sum().item()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.skipped_updates += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.updates += 1
+        return {**sums, "grad_norm": norm, "_tokens": num_tokens}
+
+    def _mismatch(self, trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
+        """How far the engine's log-probs are from the trainer's on the same tokens (before the update)."""
+        m = batch.response_mask * (batch.versions >= 0)
+        n = m.sum().clamp(min=1)
+        d = (trainer_logp - batch.rollout_logprobs) * m
+        k3 = algo.kl_penalty(batch.rollout_logprobs, trainer_logp, "k3") * m
+        return {
+            "mismatch/abs_logp_diff": (d.abs().sum() / n).item(),
+            "mismatch/kl": (k3.sum() / n).item(),
+        }
+
+    def weights(self):
+        """Named parameters to push to the engines."""
+        return self.model.named_parameters()

@@ -1,0 +1,83 @@
+"""From scored groups to a training batch: flatten, drop what cannot be trained, pad per-token lists."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from weir.data.sample import Group, Sample
+
+
+@dataclass
+class TrainBatch:
+    """Samples of one RL step and their per-token tensors, (B, T) with T the longest response."""
+
+    samples: list[Sample]
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    versions: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [s.prompt_ids + s.response_ids for s in self.samples]
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [len(s.response_ids) for s in self.samples]
+
+
+def _pad(rows: list[list[float]], width: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+def make_batch(groups: list[Group], *, version: int) -> TrainBatch:
+    """Flatten groups into a TrainBatch; failed, unrewarded or empty samples are left out and counted.
+
+    `version` is the trainer's current weight version; token staleness is version - token version.
+    """
+    kept: list[Sample] = []
+    dropped = 0
+    for g in groups:
+        for s in g.samples:
+            trainable = s.ok and s.response_ids and any(s.loss_mask) and math.isfinite(s.reward)
+            if trainable:
+                kept.append(s)
+            else:
+                dropped += 1
+    if not kept:
+        raise ValueError(
+            f"no trainable samples in this step ({dropped} dropped as failed, unrewarded or empty); "
+            "check the reward function and engine errors in the samples"
+        )
+    width = max(len(s.response_ids) for s in kept)
+    mask = _pad([s.loss_mask for s in kept], width, 0, torch.float32)
+    versions = _pad([s.versions for s in kept], width, -1, torch.long)
+    policy_tokens = (versions >= 0) & (mask > 0)
+    behind = (version - versions).clamp(min=0)[policy_tokens].float()
+    metrics = {
+        "batch/samples": float(len(kept)),
+        "batch/dropped_samples": float(dropped),
+        "batch/trained_tokens": float(mask.sum().item()),
+        "staleness/mean": behind.mean().item() if behind.numel() else 0.0,
+        "staleness/max": behind.max().item() if behind.numel() else 0.0,
+    }
+    return TrainBatch(
+        samples=kept,
+        response_mask=mask,
+        rollout_logprobs=_pad([s.rollout_logprobs for s in kept], width, 0.0, torch.float32),
+        versions=versions,
+        rewards=torch.tensor([s.reward for s in kept], dtype=torch.float32),
+        group_ids=torch.tensor([s.group_id for s in kept], dtype=torch.long),
+        metrics=metrics,
+    )

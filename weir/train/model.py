@@ -1,0 +1,71 @@
+"""Loading Hugging Face causal LMs (local directory, hub name, or weir's `tiny:<size>`) and saving them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(
+    path: str, build_dir: str | Path, *, arch: str = "qwen3", seed: int = 0
+) -> str:
+    """Return a loadable path; `tiny:<size>` builds weir's tiny model under `build_dir` once."""
+    if not path.startswith("tiny:"):
+        return path
+    from weir.tasks.tiny_model import build_tiny_model
+
+    size = path.split(":", 1)[1] or "tiny"
+    out = Path(build_dir) / f"tiny-{size}-{arch}-seed{seed}"
+    if not (out / "config.json").exists():
+        build_tiny_model(out, size=size, arch=arch, seed=seed)
+    return str(out)
+
+
+def load_model(
+    path: str, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer through the standard `from_pretrained` path."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except OSError as err:
+        raise ValueError(
+            f"cannot load model.path={path!r}: {err}. Give a local HF model directory, a hub name "
+            "reachable from this machine, or tiny:<nano|tiny|small> for weir's built-in tiny model"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.use_cache = False
+    return model, tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends an assistant turn: the tokenizer's eos plus the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(extra)
+    return sorted(i for i in ids if i is not None)
+
+
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
+) -> Path:
+    """Write a standard HF directory (safetensors weights, config, tokenizer)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
