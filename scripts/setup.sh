@@ -17,7 +17,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # CPU machine: take the CPU build. TORCH_CPU_INDEX may name a CPU wheel index; without it pip
     # uses its configured sources (on weir's reference machines a local CPU wheel).
     "${PIP[@]}" install "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
-    "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if not torch.version.cuda else 1)" || {
+    "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(0 if not torch.version.cuda else 1)" || {
       echo "setup: a CUDA build of torch was installed on a machine without a GPU;" >&2
       echo "       set TORCH_CPU_INDEX to a CPU wheel index and run again" >&2
       exit 1

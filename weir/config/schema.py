@@ -197,7 +197,7 @@ class SFTConfig(Section):
     rows: int = Field(4000, ge=1)
     """Rows generated from the task when `data` is null."""
     task_options: dict[str, Any] = Field(default_factory=dict)
-    """Options of the task's SFT generator (e.g. {corrupt: 0.7})."""
+    """Options of the task's SFT generator, on top of data.task_options (e.g. {corrupt: 0.7})."""
     epochs: int = Field(1, ge=1)
     """Passes over the SFT rows."""
     batch_size: int = Field(64, ge=1)

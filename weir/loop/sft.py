@@ -20,7 +20,11 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> list[tuple[list[int], list
     if cfg.sft.data is not None:
         rows = load_rows(cfg.sft.data)
     elif cfg.data.task is not None:
-        rows = get_task(cfg.data.task).sft_rows(cfg.sft.rows, cfg.run.seed, **cfg.sft.task_options)
+        options = {
+            **cfg.data.task_options,
+            **cfg.sft.task_options,
+        }  # same task, plus SFT-only options
+        rows = get_task(cfg.data.task).sft_rows(cfg.sft.rows, cfg.run.seed, **options)
     else:
         raise ValueError(
             "no SFT data: set sft.data to a JSONL/Parquet file of {prompt, response} or data.task"
