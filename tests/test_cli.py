@@ -55,3 +55,26 @@ def test_committed_config_reference_is_current():
     assert committed.read_text() == config_reference(), (
         "run `make docs` to regenerate docs/configuration.md"
     )
+
+
+def test_eval_command_writes_metrics(tiny_model_dir, tmp_path):
+    import json
+
+    out = tmp_path / "eval.json"
+    args = [
+        "eval",
+        str(tiny_model_dir),
+        "--task",
+        "arithmetic",
+        "--size",
+        "12",
+        "--n",
+        "2",
+        "--temperature",
+        "1.0",
+    ]
+    res = runner.invoke(app, [*args, "--max-new-tokens", "4", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads(out.read_text())
+    assert metrics["eval/prompts"] == 12.0
+    assert 0.0 <= metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= 1.0

@@ -86,6 +86,14 @@ def test_sft_lowers_loss_on_a_fixed_batch(tiny_model_dir):
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_a_batch_with_nothing_trainable_is_none():
+    groups = _groups()
+    for g in groups:
+        for s in g.samples:
+            s.reward = None
+    assert make_batch(groups, version=0) is None
+
+
 def test_failed_and_empty_samples_are_dropped_and_counted():
     groups = _groups()
     groups[0].samples[0].reward = None

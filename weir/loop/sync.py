@@ -42,6 +42,9 @@ def run_sync(
             groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
             check_failures(cfg, groups, gen)
             batch = make_batch(groups, version=run.version)
+            if batch is None:  # every group filtered out or failed: nothing to learn from
+                run.log(step, gen, {"train/empty_steps": 1.0})
+                continue
             stats = parts.trainer.train(batch)
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}

@@ -64,7 +64,7 @@ class ConsoleSink:
             v = metrics.get(key)
             if isinstance(v, int | float) and math.isfinite(v):
                 parts.append(f"{label} {fmt.format(v)}")
-        self.console.print("  ".join(parts))
+        self.console.print("  ".join(parts), soft_wrap=True)
 
     def close(self) -> None:
         pass

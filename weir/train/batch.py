@@ -41,10 +41,11 @@ def _pad(rows: list[list[float]], width: int, fill: float, dtype: torch.dtype) -
     return out
 
 
-def make_batch(groups: list[Group], *, version: int) -> TrainBatch:
+def make_batch(groups: list[Group], *, version: int) -> TrainBatch | None:
     """Flatten groups into a TrainBatch; failed, unrewarded or empty samples are left out and counted.
 
     `version` is the trainer's current weight version; token staleness is version - token version.
+    Returns None when no sample is trainable (e.g. the filter dropped every group).
     """
     kept: list[Sample] = []
     dropped = 0
@@ -56,10 +57,7 @@ def make_batch(groups: list[Group], *, version: int) -> TrainBatch:
             else:
                 dropped += 1
     if not kept:
-        raise ValueError(
-            f"no trainable samples in this step ({dropped} dropped as failed, unrewarded or empty); "
-            "check the reward function and engine errors in the samples"
-        )
+        return None
     width = max(len(s.response_ids) for s in kept)
     mask = _pad([s.loss_mask for s in kept], width, 0, torch.float32)
     versions = _pad([s.versions for s in kept], width, -1, torch.long)
