@@ -73,6 +73,8 @@ class DataConfig(Section):
     """`skip` drops and counts over-long prompts; `error` stops the run."""
     shuffle: bool = True
     """Shuffle prompts each epoch, deterministically by seed."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the training prompts; the run ends early when they are used up. null: no limit."""
 
 
 class RolloutConfig(Section):

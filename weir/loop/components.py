@@ -169,7 +169,12 @@ def build(
         tokenizer=tokenizer,
         engine=engine,
         trainer=trainer,
-        prompts=PromptSource(task_rows(cfg, "train"), seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        prompts=PromptSource(
+            task_rows(cfg, "train"),
+            seed=cfg.run.seed,
+            shuffle=cfg.data.shuffle,
+            epochs=cfg.data.epochs,
+        ),
         eval_rows=task_rows(cfg, "test"),
         ctx=ctx,
         eval_ctx=eval_ctx,

@@ -38,6 +38,8 @@ def run_sync(
     try:
         run.log(0, eval_metrics(parts))
         for step in run.steps():
+            if parts.prompts.exhausted:  # data.epochs used up
+                break
             rows = parts.prompts.next_batch(cfg.rollout.batch_prompts)
             groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
             check_failures(cfg, groups, gen)
