@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -102,3 +105,66 @@ def test_failed_and_empty_samples_are_dropped_and_counted():
     batch = make_batch(groups, version=2)
     assert len(batch) == 6 and batch.metrics["batch/dropped_samples"] == 2
     assert batch.metrics["staleness/mean"] == 2.0  # every token was produced by version 0
+
+
+VARIANTS = {
+    "kl_loss": {"algo.kl.coef": 0.1},
+    "kl_reward_adaptive": {
+        "algo.kl.coef": 0.1,
+        "algo.kl.as_reward": "true",
+        "algo.kl.adaptive_target": 0.01,
+        "algo.advantage": "reinforce_pp",
+    },
+    "token_tis": {"algo.correction.mode": "token_tis"},
+    "seq_mask": {
+        "algo.correction.mode": "seq_mask",
+        "algo.correction.low": 0.1,
+        "algo.correction.high": 10,
+    },
+    "decoupled_ppo": {
+        "algo.policy_loss": "decoupled_ppo",
+        "algo.loss_options": "{eps_low: 0.2, eps_high: 0.2, tis_cap: 2.0}",
+    },
+    "gspo_seq_mean": {
+        "algo.policy_loss": "gspo",
+        "algo.loss_options": "{}",
+        "algo.loss_agg": "seq-mean-token-mean",
+    },
+    "cispo": {"algo.policy_loss": "cispo", "algo.loss_options": "{}"},
+    "reinforce_rloo": {
+        "algo.policy_loss": "reinforce",
+        "algo.loss_options": "{}",
+        "algo.advantage": "rloo",
+    },
+    "dr_grpo_norm": {
+        "algo.advantage_options": "{norm_by_std: false}",
+        "algo.loss_agg": "seq-mean-token-sum-norm",
+    },
+    "minibatches_epochs_cosine": {
+        "train.mini_batches": 2,
+        "train.epochs": 2,
+        "train.schedule": "cosine",
+        "train.warmup_steps": 1,
+    },
+    "engine_logprobs_entropy": {"algo.old_logprobs": "engine", "algo.entropy_coef": 0.01},
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_algorithm_variant_trains(tiny_model_dir, name):
+    actor = _actor(tiny_model_dir, **VARIANTS[name])
+    batch = make_batch(_groups(), version=0)
+    batch.rollout_logprobs = (
+        actor.logprobs(actor.model, batch) + 0.01
+    )  # a small engine/trainer mismatch
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    stats = actor.train(batch)
+    assert all(math.isfinite(v) for v in stats.values()), stats
+    assert stats["train/grad_norm"] > 0 and stats["train/skipped_updates"] == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))
+    if "algo.kl.coef" in VARIANTS[name]:
+        assert "kl/ref" in stats
+    if VARIANTS[name].get("algo.correction.mode"):
+        assert any(k.startswith("correction/") for k in stats)
+    if actor.needs_recompute:
+        assert stats["mismatch/abs_logp_diff"] == pytest.approx(0.01, abs=1e-4)

@@ -95,10 +95,13 @@ class Actor:
         ref = self.logprobs(self.ref, batch) if self.ref is not None else None
         token_rewards, weights = None, None
         if ref is not None:
-            kl_tok = algo.kl_penalty(old, ref, self.acfg.kl.estimator) * mask
+            kind = self.acfg.kl.estimator
+            kl_tok = algo.kl_penalty(old, ref, kind, mask=mask)
             stats["kl/ref"] = (kl_tok.sum() / mask.sum()).item()
             if self.acfg.kl.as_reward:
-                token_rewards = -self.kl_ctl.value * kl_tok
+                token_rewards = algo.kl_token_rewards(
+                    old, ref, mask, coef=self.kl_ctl.value, kind=kind
+                )
                 self.kl_ctl.update(stats["kl/ref"], len(batch))
                 stats["kl/coef"] = self.kl_ctl.value
         if self.acfg.correction.mode != "none":
