@@ -18,6 +18,15 @@ app = typer.Typer(
 )
 console = Console(highlight=False)
 
+
+@app.callback()
+def _quiet_hf() -> None:
+    """weir prints its own progress; silence transformers' per-file loading bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 ConfigArg = Annotated[
     Path | None, typer.Argument(help="YAML config file (see examples/). Omit for defaults.")
 ]
