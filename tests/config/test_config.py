@@ -98,3 +98,8 @@ def test_values_validate_or_fail_with_named_key(n, lr):
         assert ("rollout.n" in str(err)) or ("train.lr" in str(err))
     else:
         assert cfg.rollout.n >= 1 and cfg.train.lr > 0
+
+
+def test_user_data_needs_a_held_out_split():
+    with pytest.raises(ConfigError, match="data.eval_source"):
+        build_config({"data": {"task": None, "source": "train.jsonl"}})

@@ -67,5 +67,6 @@ def test_user_jsonl_data_and_dotted_path_reward(tmp_path, monkeypatch):
     result = weir.run(cfg, [f"run.dir={tmp_path / 'run'}", "run.steps=10"])
     steps = [h for h in result.history if "reward/mean" in h]
     assert len(steps) == 2  # 5 rows, 3 per step, one epoch: the run ends when the data is used up
+    assert [e["step"] for e in result.evals] == [0, 2]  # the final policy is evaluated
     assert all(h["reward/mean"] >= 0.5 for h in steps)
     assert "my_rewards_mod" in sys.modules

@@ -243,6 +243,10 @@ class Config(Section):
             )
         if self.data.task is None and self.data.source is None:
             raise ValueError("set data.task to a built-in task or data.source to your prompts")
+        if self.data.task is None and self.data.eval_source is None:
+            raise ValueError(
+                "set data.eval_source to held-out prompts (or data.task to a built-in task)"
+            )
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
         return self

@@ -38,7 +38,8 @@ def run_sync(
     try:
         run.log(0, eval_metrics(parts))
         for step in run.steps():
-            if parts.prompts.exhausted:  # data.epochs used up
+            if parts.prompts.exhausted:  # data.epochs used up: evaluate the final policy and stop
+                run.log(step - 1, eval_metrics(parts))
                 break
             rows = parts.prompts.next_batch(cfg.rollout.batch_prompts)
             groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
