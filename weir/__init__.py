@@ -47,10 +47,10 @@ def run(
     rollout: Callable | None = None,
     filter: Callable | None = None,
 ) -> RunResult:
-    """Train with RL (synchronous loop). `config` is a Config, a dict of sections, or a YAML path."""
-    from weir.loop import run_sync
+    """Train with RL (the loop `loop.mode` names). `config` is a Config, a dict of sections, or a YAML path."""
+    from weir.loop import train
 
-    return run_sync(_as_config(config, overrides), reward=reward, rollout=rollout, filter=filter)
+    return train(_as_config(config, overrides), reward=reward, rollout=rollout, filter=filter)
 
 
 def sft(config: Config | dict[str, Any] | str | Path, overrides: list[str] | None = None) -> Path:

@@ -51,14 +51,14 @@ def train(
         bool, typer.Option("--print-config", help="Print the resolved config and exit.")
     ] = False,
 ) -> None:
-    """Run RL training (synchronous loop) from a config file plus dotted overrides."""
+    """Run RL training (loop.mode=sync or async) from a config file plus dotted overrides."""
     cfg = _load(config, overrides)
     if print_config:
         sys.stdout.write(dump_config(cfg))
         return
-    from weir.loop import run_sync
+    from weir.loop import train as run_loop
 
-    result = run_sync(cfg)
+    result = run_loop(cfg)
     console.print(f"run directory: {result.dir}")
     if result.model_dir:
         console.print(f"trained model: {result.model_dir}")

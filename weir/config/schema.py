@@ -212,6 +212,20 @@ class SFTConfig(Section):
     """Decay after warm-up (cosine floors at 5% of lr)."""
 
 
+class LoopConfig(Section):
+    mode: Literal["sync", "async"] = "sync"
+    """`sync`: generate, then train, then generate. `async`: rollout never waits for the trainer."""
+    max_staleness: int = Field(1, ge=0)
+    """Async: a group admitted at weight version v is trained at version <= v + max_staleness (0 = sync)."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """Async: `disaggregated` runs engine and trainer at once on separate threads/cores;
+    `colocated` pauses the engine while the trainer trains (time-sliced)."""
+    engine_threads: int | None = Field(1, ge=1)
+    """Async: torch intra-op threads of the engine thread."""
+    trainer_threads: int | None = Field(1, ge=1)
+    """Async: torch intra-op threads of the trainer."""
+
+
 class TelemetryConfig(Section):
     console: bool = True
     """Print a line of metrics per step."""
@@ -232,6 +246,7 @@ class Config(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")

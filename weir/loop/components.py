@@ -97,8 +97,12 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
-    """The built-in engine on the trainer's module (colocated) or on its own copy."""
-    if not cfg.engine.share_weights:
+    """The built-in engine on the trainer's module (colocated sync) or on its own copy.
+
+    Asynchronous training always copies: the trainer updates its weights while the engine decodes.
+    """
+    concurrent = cfg.loop.mode == "async"
+    if concurrent or not cfg.engine.share_weights:
         model = copy.deepcopy(model)
     return TorchEngine(
         model,
@@ -106,6 +110,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         pad_token_id=tokenizer.pad_token_id,
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
+        num_threads=cfg.loop.engine_threads if concurrent else None,
     )
 
 

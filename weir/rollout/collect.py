@@ -13,7 +13,7 @@ from weir.data.sample import Group, Sample, Status
 from weir.rollout.single_turn import RolloutContext
 
 
-def _failed_group(row: dict, err: BaseException) -> Group:
+def failed_group(row: dict, err: BaseException) -> Group:
     sample = Sample(
         prompt_ids=[],
         status=Status.FAILED,
@@ -30,7 +30,7 @@ async def _collect(ctx: RolloutContext, rows: list[dict], fn: Callable) -> tuple
         except PromptTooLong:
             return None
         except Exception as err:  # a user rollout function must not end the run
-            return _failed_group(row, err)
+            return failed_group(row, err)
 
     results = await asyncio.gather(*(one(r) for r in rows))
     groups = [g for g in results if g is not None]

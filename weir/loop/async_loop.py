@@ -1,0 +1,95 @@
+"""The asynchronous driver: rollout runs continuously; the trainer takes batches as they are ready.
+
+Admission control (weir.buffer) keeps every trained group at most `loop.max_staleness` weight
+versions behind; new weights reach the engine between decode steps, and responses in flight
+continue under them with each token stamped by the version that produced it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from weir.buffer import StalenessBuffer
+from weir.config import Config
+from weir.loop.components import build
+from weir.loop.producer import RolloutProducer
+from weir.loop.run import Run, RunError
+from weir.loop.sync import RunResult, check_failures, eval_metrics, push_weights
+from weir.rollout.collect import summarize
+from weir.train.batch import make_batch
+from weir.train.model import save_model
+
+
+def run_async(
+    cfg: Config,
+    *,
+    reward: Callable | None = None,
+    rollout: Callable | None = None,
+    filter: Callable | None = None,
+) -> RunResult:
+    """Train with rollout and training overlapped; `loop.max_staleness=0` trains exactly like run_sync."""
+    run = Run.open(cfg)
+    parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
+    if cfg.loop.trainer_threads:
+        torch.set_num_threads(cfg.loop.trainer_threads)
+    buffer = StalenessBuffer(cfg.rollout.batch_prompts, cfg.loop.max_staleness)
+    # admission reads the engine's version: it changes only once the new weights are in the engine
+    producer = RolloutProducer(
+        parts.ctx, parts.rollout_fn, parts.prompts, buffer, lambda: parts.engine.version, parts.keep
+    )
+    colocated = cfg.loop.placement == "colocated"
+    try:
+        run.log(0, eval_metrics(parts))
+        producer.start()
+        for step in run.steps():
+            waited = time.perf_counter()
+            groups = next_batch(buffer, producer, run.version)
+            if groups is None:  # the data ran out
+                break
+            waited = time.perf_counter() - waited
+            gen = summarize(groups)
+            check_failures(cfg, groups, gen)
+            batch = make_batch(groups, version=run.version)
+            if batch is None:
+                run.log(step, gen, {"train/empty_steps": 1.0})
+                continue
+            if colocated:
+                parts.engine.pause_sync()
+            stats = parts.trainer.train(batch)
+            sync = push_weights(parts, run.bump_version())
+            if colocated:
+                parts.engine.resume_sync()
+            evals = eval_metrics(parts) if run.should_eval(step) else {}
+            flow = {
+                "time/wait_for_batch": waited,
+                "buffer/depth": float(buffer.stats()["depth"]),
+                **producer.take_counts(),
+            }
+            run.log(step, gen, batch.metrics, stats, sync, flow, evals)
+        model_dir = (
+            save_model(parts.model, parts.tokenizer, run.dir / "model")
+            if cfg.run.save_model
+            else None
+        )
+        return RunResult(run.dir, run.history, run.evals, model_dir)
+    finally:
+        producer.stop()
+        parts.engine.close()
+        run.close()
+
+
+def next_batch(buffer: StalenessBuffer, producer: RolloutProducer, version: int) -> list | None:
+    """The next batch from the buffer; None when the data is exhausted; the producer's error if it died."""
+    from weir.buffer import BufferClosed
+
+    try:
+        return buffer.get_batch(version)
+    except BufferClosed:
+        if producer.error is not None:
+            raise RunError(
+                f"the rollout producer failed: {type(producer.error).__name__}: {producer.error}"
+            ) from producer.error
+        return None

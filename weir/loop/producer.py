@@ -1,0 +1,119 @@
+"""The rollout side of asynchronous training: a thread that keeps prompts in flight.
+
+It admits a prompt whenever the staleness buffer allows, runs the rollout function on it
+(concurrently with every other admitted prompt), filters the finished group and hands it to the
+buffer. It never waits for the trainer except through admission control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+from weir.buffer import StalenessBuffer
+from weir.data.prompts import PromptTooLong
+from weir.data.sample import Group
+from weir.data.sources import PromptSource
+from weir.rollout.collect import failed_group
+from weir.rollout.single_turn import RolloutContext
+
+
+class RolloutProducer:
+    """Generates groups into `buffer` from a background thread until `stop()` or the data runs out."""
+
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        fn: Callable,
+        prompts: PromptSource,
+        buffer: StalenessBuffer,
+        version: Callable[[], int],
+        keep: Callable[[Group], bool] | None = None,
+    ) -> None:
+        self.ctx, self.fn, self.prompts, self.buffer, self.version, self.keep = (
+            ctx,
+            fn,
+            prompts,
+            buffer,
+            version,
+            keep,
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="weir-rollout", daemon=True)
+        self._lock = threading.Lock()
+        self._counts = {
+            "rollout/filtered_groups": 0.0,
+            "rollout/skipped_long_prompts": 0.0,
+            "rollout/admitted": 0.0,
+        }
+        self.error: BaseException | None = None
+        self.exhausted = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def take_counts(self) -> dict[str, float]:
+        """Counters since the last call (filtered groups, skipped prompts, admitted prompts)."""
+        with self._lock:
+            out, self._counts = self._counts, dict.fromkeys(self._counts, 0.0)
+        return out
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._produce())
+        except BaseException as err:  # surfaced to the trainer by the driver
+            self.error = err
+        finally:
+            self.buffer.close()
+
+    async def _produce(self) -> None:
+        in_flight: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            ticket = await self.buffer.admit(self.version, self._stop)
+            if ticket is None:
+                break
+            if self.prompts.exhausted:
+                self.buffer.put(ticket, None)
+                self.exhausted = True
+                break
+            row = self.prompts.next_batch(1)[0]
+            self._count("rollout/admitted")
+            task = asyncio.create_task(self._one(ticket, row))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if self.exhausted and in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)
+        for task in in_flight:
+            task.cancel()
+
+    async def _one(self, ticket: int, row: dict) -> None:
+        start = time.perf_counter()
+        try:
+            group = await self.fn(self.ctx, row)
+        except PromptTooLong:
+            self._count("rollout/skipped_long_prompts")
+            self.buffer.put(ticket, None)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a user rollout function must not end the run
+            group = failed_group(row, err)
+        group.group_id = ticket
+        for i, s in enumerate(group.samples):
+            s.group_id, s.index = ticket, i
+        group.metadata["generate_seconds"] = time.perf_counter() - start
+        if self.keep is not None and not self.keep(group):
+            self._count("rollout/filtered_groups")
+            self.buffer.put(ticket, None)
+            return
+        self.buffer.put(ticket, group)
