@@ -70,3 +70,42 @@ def test_async_learns_the_easy_task(tmp_path):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert result.evals[-1]["eval/accuracy"] > result.evals[0]["eval/accuracy"] + 0.2
     assert max(h["staleness/max"] for h in result.history if "staleness/max" in h) <= 1
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        {"on_weight_update": "abort"},
+        {"on_weight_update": "mask_stale"},
+        {"placement": "colocated"},
+    ],
+    ids=["abort", "mask_stale", "colocated"],
+)
+def test_async_weight_update_policies_and_placement_run(tmp_path, loop):
+    cfg = {
+        **SMALL,
+        "run": {**SMALL["run"], "steps": 4},
+        "rollout": {**SMALL["rollout"], "n": 4, "max_new_tokens": 12},
+        "loop": {"mode": "async", "max_staleness": 2, **loop},
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"])
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 4
+    assert all(0.0 <= h["engine/idle_frac"] <= 1.0 for h in steps)
+    assert all(
+        sum(v for k, v in h.items() if k.startswith("staleness/hist_")) == pytest.approx(1.0)
+        for h in steps
+    )
+
+
+def test_mask_stale_prefix_trains_only_the_newest_version():
+    from weir.data.sample import Group, Sample
+    from weir.train.batch import mask_stale_prefix
+
+    interrupted = Sample(
+        prompt_ids=[1], response_ids=[5, 6, 7, 8], loss_mask=[1, 1, 0, 1], versions=[3, 3, -1, 4]
+    )
+    whole = Sample(prompt_ids=[1], response_ids=[5, 6], versions=[4, 4])
+    assert mask_stale_prefix([Group(samples=[interrupted, whole])]) == 2
+    assert interrupted.loss_mask == [0, 0, 0, 1]
+    assert whole.loss_mask == [1, 1]

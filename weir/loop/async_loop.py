@@ -14,12 +14,12 @@ import torch
 
 from weir.buffer import StalenessBuffer
 from weir.config import Config
-from weir.loop.components import build
+from weir.loop.components import Components, build
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
 from weir.loop.sync import RunResult, check_failures, eval_metrics, push_weights
 from weir.rollout.collect import summarize
-from weir.train.batch import make_batch
+from weir.train.batch import make_batch, mask_stale_prefix
 from weir.train.model import save_model
 
 
@@ -37,10 +37,18 @@ def run_async(
         torch.set_num_threads(cfg.loop.trainer_threads)
     buffer = StalenessBuffer(cfg.rollout.batch_prompts, cfg.loop.max_staleness)
     # admission reads the engine's version: it changes only once the new weights are in the engine
+    policy = cfg.loop.on_weight_update
     producer = RolloutProducer(
-        parts.ctx, parts.rollout_fn, parts.prompts, buffer, lambda: parts.engine.version, parts.keep
+        parts.ctx,
+        parts.rollout_fn,
+        parts.prompts,
+        buffer,
+        lambda: parts.engine.version,
+        parts.keep,
+        regenerate_aborted=policy == "abort",
     )
     colocated = cfg.loop.placement == "colocated"
+    load = EngineLoad(parts.engine)
     try:
         run.log(0, eval_metrics(parts))
         producer.start()
@@ -50,6 +58,11 @@ def run_async(
             if groups is None:  # the data ran out
                 break
             waited = time.perf_counter() - waited
+            masked = (
+                {"rollout/masked_stale_tokens": float(mask_stale_prefix(groups))}
+                if policy == "mask_stale"
+                else {}
+            )
             gen = summarize(groups)
             check_failures(cfg, groups, gen)
             batch = make_batch(groups, version=run.version)
@@ -59,16 +72,23 @@ def run_async(
             if colocated:
                 parts.engine.pause_sync()
             stats = parts.trainer.train(batch)
-            sync = push_weights(parts, run.bump_version())
+            sync = swap_weights(parts, run.bump_version(), abort=policy == "abort")
             if colocated:
                 parts.engine.resume_sync()
             evals = eval_metrics(parts) if run.should_eval(step) else {}
-            flow = {
-                "time/wait_for_batch": waited,
-                "buffer/depth": float(buffer.stats()["depth"]),
-                **producer.take_counts(),
-            }
-            run.log(step, gen, batch.metrics, stats, sync, flow, evals)
+            flow = {"time/wait_for_batch": waited, "buffer/depth": float(buffer.stats()["depth"])}
+            run.log(
+                step,
+                gen,
+                masked,
+                batch.metrics,
+                stats,
+                sync,
+                flow,
+                load.sample(),
+                producer.take_counts(),
+                evals,
+            )
         model_dir = (
             save_model(parts.model, parts.tokenizer, run.dir / "model")
             if cfg.run.save_model
@@ -93,3 +113,30 @@ def next_batch(buffer: StalenessBuffer, producer: RolloutProducer, version: int)
                 f"the rollout producer failed: {type(producer.error).__name__}: {producer.error}"
             ) from producer.error
         return None
+
+
+def swap_weights(parts: Components, version: int, *, abort: bool) -> dict[str, float]:
+    """Push new weights between decode steps; with `abort`, responses in flight end first and the
+    producer regenerates them from scratch under the new weights."""
+    if not abort:
+        return push_weights(parts, version)
+    parts.engine.pause_sync()
+    try:
+        parts.engine.abort_sync()
+        return push_weights(parts, version)
+    finally:
+        parts.engine.resume_sync()
+
+
+class EngineLoad:
+    """Fraction of wall time the engine was idle between two calls of `sample()`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.t, self.busy = time.perf_counter(), engine.stats()["busy_s"]
+
+    def sample(self) -> dict[str, float]:
+        now, busy = time.perf_counter(), self.engine.stats()["busy_s"]
+        span, used = now - self.t, busy - self.busy
+        self.t, self.busy = now, busy
+        return {"engine/idle_frac": max(0.0, 1.0 - used / span)} if span > 0 else {}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from weir.buffer import StalenessBuffer
 from weir.data.prompts import PromptTooLong
-from weir.data.sample import Group
+from weir.data.sample import Group, Status
 from weir.data.sources import PromptSource
 from weir.rollout.collect import failed_group
 from weir.rollout.single_turn import RolloutContext
@@ -31,6 +31,8 @@ class RolloutProducer:
         buffer: StalenessBuffer,
         version: Callable[[], int],
         keep: Callable[[Group], bool] | None = None,
+        *,
+        regenerate_aborted: bool = False,
     ) -> None:
         self.ctx, self.fn, self.prompts, self.buffer, self.version, self.keep = (
             ctx,
@@ -40,6 +42,7 @@ class RolloutProducer:
             version,
             keep,
         )
+        self.regenerate_aborted = regenerate_aborted
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="weir-rollout", daemon=True)
         self._lock = threading.Lock()
@@ -47,6 +50,7 @@ class RolloutProducer:
             "rollout/filtered_groups": 0.0,
             "rollout/skipped_long_prompts": 0.0,
             "rollout/admitted": 0.0,
+            "rollout/regenerated_groups": 0.0,
         }
         self.error: BaseException | None = None
         self.exhausted = False
@@ -100,6 +104,11 @@ class RolloutProducer:
         start = time.perf_counter()
         try:
             group = await self.fn(self.ctx, row)
+            while self.regenerate_aborted and any(
+                s.status == Status.ABORTED for s in group.samples
+            ):
+                self._count("rollout/regenerated_groups")
+                group = await self.fn(self.ctx, row)
         except PromptTooLong:
             self._count("rollout/skipped_long_prompts")
             self.buffer.put(ticket, None)

@@ -63,7 +63,8 @@ def make_batch(groups: list[Group], *, version: int) -> TrainBatch | None:
     versions = _pad([s.versions for s in kept], width, -1, torch.long)
     policy_tokens = (versions >= 0) & (mask > 0)
     behind = (version - versions).clamp(min=0)[policy_tokens].float()
-    metrics = {
+    metrics = staleness_histogram(behind)
+    metrics |= {
         "batch/samples": float(len(kept)),
         "batch/dropped_samples": float(dropped),
         "batch/trained_tokens": float(mask.sum().item()),
@@ -79,3 +80,34 @@ def make_batch(groups: list[Group], *, version: int) -> TrainBatch | None:
         group_ids=torch.tensor([s.group_id for s in kept], dtype=torch.long),
         metrics=metrics,
     )
+
+
+def staleness_histogram(behind: torch.Tensor) -> dict[str, float]:
+    """Fraction of trained policy tokens that are k versions behind, as `staleness/hist_k`."""
+    if not behind.numel():
+        return {}
+    values, counts = torch.unique(behind.long(), return_counts=True)
+    return {
+        f"staleness/hist_{int(v)}": c.item() / behind.numel()
+        for v, c in zip(values, counts, strict=True)
+    }
+
+
+def mask_stale_prefix(groups: list[Group]) -> int:
+    """Keep each sample's tokens from older weight versions as context but out of the loss.
+
+    A response interrupted by a weight update has a prefix from version v and a suffix from
+    v' > v; only tokens from the sample's newest version stay trained. Returns the tokens masked.
+    """
+    masked = 0
+    for g in groups:
+        for s in g.samples:
+            produced = [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m and v >= 0]
+            if not produced:
+                continue
+            newest = max(produced)
+            for i, v in enumerate(s.versions):
+                if s.loss_mask[i] and 0 <= v < newest:
+                    s.loss_mask[i] = 0
+                    masked += 1
+    return masked
