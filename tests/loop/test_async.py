@@ -109,3 +109,21 @@ def test_mask_stale_prefix_trains_only_the_newest_version():
     assert mask_stale_prefix([Group(samples=[interrupted, whole])]) == 2
     assert interrupted.loss_mask == [0, 0, 0, 1]
     assert whole.loss_mask == [1, 1]
+
+
+def test_async_filter_oversamples_until_batches_are_full(tmp_path):
+    dropped = []
+
+    def keep_even(group):
+        ok = group.row["_index"] % 2 == 0
+        if not ok:
+            dropped.append(group.row["_index"])
+        return ok
+
+    cfg = {**SMALL, "loop": {"mode": "async", "max_staleness": 1}}
+    result = weir.run(cfg, [f"run.dir={tmp_path}"], filter=keep_even)
+    steps = [h for h in result.history if "batch/samples" in h]
+    assert len(steps) == 3
+    assert all(h["batch/samples"] == 4 * 2 for h in steps)  # every batch holds 4 groups that passed
+    assert sum(h["rollout/filtered_groups"] for h in steps) <= len(dropped)
+    assert dropped  # odd rows were drawn and filtered, and more prompts were admitted instead
