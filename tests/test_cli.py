@@ -78,3 +78,9 @@ def test_eval_command_writes_metrics(tiny_model_dir, tmp_path):
     metrics = json.loads(out.read_text())
     assert metrics["eval/prompts"] == 12.0
     assert 0.0 <= metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= 1.0
+
+
+def test_user_errors_print_a_message_not_a_traceback(tmp_path):
+    res = runner.invoke(app, ["eval", str(tmp_path / "missing-model"), "--task", "arithmetic"])
+    assert res.exit_code == 1
+    assert "no such directory" in res.output and "Traceback" not in res.output

@@ -35,6 +35,28 @@ Overrides = Annotated[
 ]
 
 
+def _user_errors(fn):
+    """Print errors a user can fix (config, data, plugins, paths) without a traceback; exit 1.
+
+    WEIR_DEBUG=1 shows the traceback."""
+    import functools
+    import os
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from weir.loop.run import RunError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError, RunError) as err:
+            if os.environ.get("WEIR_DEBUG"):
+                raise
+            console.print(f"[red]error:[/red] {err}")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
 def _load(config: Path | None, overrides: list[str] | None):
     try:
         return load_config(config, overrides or [])
@@ -44,6 +66,7 @@ def _load(config: Path | None, overrides: list[str] | None):
 
 
 @app.command()
+@_user_errors
 def train(
     config: ConfigArg = None,
     overrides: Overrides = None,
@@ -65,6 +88,7 @@ def train(
 
 
 @app.command()
+@_user_errors
 def sft(config: ConfigArg = None, overrides: Overrides = None) -> None:
     """Supervised warm start on prompt/response pairs; loss on response tokens only."""
     cfg = _load(config, overrides)
@@ -74,6 +98,7 @@ def sft(config: ConfigArg = None, overrides: Overrides = None) -> None:
 
 
 @app.command("eval")
+@_user_errors
 def eval_(
     model: Annotated[
         str, typer.Argument(help="HF model directory (e.g. a run's model/) or hub name.")
@@ -125,6 +150,7 @@ def eval_(
 
 
 @app.command()
+@_user_errors
 def demo(
     task: Annotated[str, typer.Option(help="Demo task.")] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),

@@ -34,6 +34,10 @@ def load_model(
     path: str, dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer through the standard `from_pretrained` path."""
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(
+            f"model.path={path!r}: no such directory (expected a Hugging Face model directory)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
