@@ -65,17 +65,21 @@ def test_policy_step_raises_rewarded_and_lowers_unrewarded(tiny_model_dir):
 
 def test_gradient_does_not_depend_on_micro_batch_size(tiny_model_dir):
     """Packing into 1 or many micro-batches gives the same update (global-count aggregation)."""
-    results = []
+    results, pg_losses = [], []
     for budget in (10_000, 20):
         actor = _actor(
             tiny_model_dir, **{"train.micro_batch_tokens": budget, "train.grad_clip": "null"}
         )
         batch = make_batch(_groups(), version=0)
         batch.rollout_logprobs = actor.logprobs(actor.model, batch) - 0.05  # ratios != 1
-        actor.train(batch)
+        stats = actor.train(batch)
+        pg_losses.append(stats["policy/pg_loss"])
         results.append(torch.cat([p.grad.flatten() for p in actor.model.parameters()]))
     assert results[0].abs().max() > 1e-3
     assert torch.allclose(results[0], results[1], atol=1e-6)
+    assert pg_losses[0] == pytest.approx(
+        pg_losses[1], abs=1e-6
+    )  # reported loss: same split-invariance
 
 
 def test_sft_lowers_loss_on_a_fixed_batch(tiny_model_dir):
@@ -168,3 +172,22 @@ def test_every_algorithm_variant_trains(tiny_model_dir, name):
         assert any(k.startswith("correction/") for k in stats)
     if actor.needs_recompute:
         assert stats["mismatch/abs_logp_diff"] == pytest.approx(0.01, abs=1e-4)
+
+
+def test_a_mini_batch_emptied_by_masking_is_skipped(tiny_model_dir):
+    actor = _actor(tiny_model_dir, **{"algo.correction.mode": "seq_mask", "train.mini_batches": 8})
+    batch = make_batch(_groups(), version=0)
+    batch.rollout_logprobs = actor.logprobs(actor.model, batch)
+    batch.rollout_logprobs[3] += 5.0  # sample 3 is rejected by sequence masking
+    stats = actor.train(batch)
+    assert (
+        stats["correction/seq_masked_frac"] > 0 if "correction/seq_masked_frac" in stats else True
+    )
+    assert math.isfinite(stats["train/loss"])
+
+
+def test_misspelt_options_fail_at_start_up(tiny_model_dir):
+    with pytest.raises(ValueError, match="eps_hgh"):
+        _actor(tiny_model_dir, **{"algo.loss_options": "{eps_hgh: 0.3}"})
+    with pytest.raises(ValueError, match="critic"):
+        _actor(tiny_model_dir, **{"algo.advantage": "gae"})

@@ -60,6 +60,36 @@ class Actor:
             self.kl_ctl = algo.FixedKLController(kl.coef)
         self.skipped_updates = 0
         self.updates = 0
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """Fail at start-up, not after the first rollout, on a misspelt or invalid algo option."""
+        ones = torch.ones(2, 1)
+        probe = torch.full((2, 1), -1.0)
+        if self.acfg.advantage == "gae":
+            raise ValueError(
+                "algo.advantage=gae needs a critic (value model), which weir does not train yet; use grpo, rloo or reinforce_pp"
+            )
+        adv = algo.compute_advantages(
+            self.advantage_fn,
+            torch.tensor([1.0, 0.0]),
+            ones,
+            torch.tensor([0, 0]),
+            **self.acfg.advantage_options,
+        )
+        algo.compute_policy_loss(
+            self.loss_fn,
+            probe,
+            probe,
+            adv.advantages,
+            ones,
+            agg=self.acfg.loss_agg,
+            num_tokens=2.0,
+            num_seqs=2.0,
+            max_len=self.cfg.rollout.max_new_tokens,
+            behavior_logp=probe if self.acfg.policy_loss == "decoupled_ppo" else None,
+            **self.acfg.loss_options,
+        )
 
     @property
     def needs_recompute(self) -> bool:
@@ -111,6 +141,12 @@ class Actor:
             )
             weights, mask = corr.weights, corr.mask
             stats.update({f"correction/{k}": v for k, v in corr.metrics.items()})
+            if not mask.any():  # the correction rejected every token: nothing to learn from
+                return {
+                    **stats,
+                    "train/empty_steps": 1.0,
+                    "time/train": time.perf_counter() - start,
+                }
         adv = algo.compute_advantages(
             self.advantage_fn,
             batch.rewards,
@@ -124,6 +160,7 @@ class Actor:
             mask = adv.mask  # samples with non-finite rewards are excluded
         sums: dict[str, float] = defaultdict(float)
         grad_norms: list[float] = []
+        peaks: dict[str, float] = {}
         n_tokens = 0.0
         self._mismatch_sums = [0.0, 0.0]
         for epoch in range(self.tcfg.epochs):
@@ -147,9 +184,12 @@ class Actor:
                 tok = metrics.pop("_tokens")
                 n_tokens += tok
                 grad_norms.append(metrics.pop("grad_norm"))
+                for k, v in metrics.pop("_peaks").items():
+                    peaks[k] = max(peaks.get(k, float("-inf")), v)
                 for k, v in metrics.items():
                     sums[k] += v * tok
         stats.update({k: v / max(n_tokens, 1.0) for k, v in sums.items()})
+        stats.update(peaks)
         if self._mismatch_sums[1]:
             stats["mismatch/abs_logp_diff"] = self._mismatch_sums[0] / self._mismatch_sums[1]
         finite = [g for g in grad_norms if math.isfinite(g)]
@@ -170,9 +210,14 @@ class Actor:
         seqs, lens = batch.sequences, batch.response_lengths
         width = mask.shape[1]
         num_tokens = float(mask[mb].sum().item())
-        num_seqs = float(len(mb))
-        self.optimizer.zero_grad(set_to_none=True)
+        num_seqs = float(mask[mb].any(1).sum().item())
         sums: dict[str, float] = defaultdict(float)
+        peaks: dict[str, float] = {}
+        if num_tokens == 0:  # every token of this mini-batch was masked out: no update
+            self.scheduler.step()
+            self.updates += 1
+            return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
+        self.optimizer.zero_grad(set_to_none=True)
         for local in pack_by_tokens([len(seqs[i]) for i in mb], self.tcfg.micro_batch_tokens):
             idx = [mb[j] for j in local]
             out = packed_response_logprobs(
@@ -211,15 +256,20 @@ class Actor:
             share = float(m.sum().item()) / max(num_tokens, 1.0)
             sums["train/loss"] += loss.item()
             for k, v in pg.items():
-                if k not in ("loss", "tokens"):
-                    sums[f"policy/{k}" if k not in ("entropy", "kl_ref") else f"train/{k}"] += (
-                        v * share
-                    )
+                if k in ("loss", "tokens"):
+                    continue
+                key = f"train/{k}" if k in ("entropy", "kl_ref") else f"policy/{k}"
+                if k == "pg_loss":  # already normalised by the mini-batch counts: a sum
+                    sums[key] += v
+                elif k.endswith("_max"):
+                    peaks[key] = max(peaks.get(key, float("-inf")), v)
+                else:
+                    sums[key] += v * share
             if first and not self.needs_recompute:
-                self._mismatch_sums[0] += (
-                    ((out.logprobs.detach() - batch.rollout_logprobs[idx]) * m).abs().sum().item()
-                )
-                self._mismatch_sums[1] += m.sum().item()
+                policy = m * (batch.versions[idx] >= 0)
+                diff = (out.logprobs.detach() - batch.rollout_logprobs[idx]) * policy
+                self._mismatch_sums[0] += diff.abs().sum().item()
+                self._mismatch_sums[1] += policy.sum().item()
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
@@ -230,7 +280,7 @@ class Actor:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.updates += 1
-        return {**sums, "grad_norm": norm, "_tokens": num_tokens}
+        return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 
     def _mismatch(self, trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         """How far the engine's log-probs are from the trainer's on the same tokens (before the update)."""
