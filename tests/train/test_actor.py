@@ -179,11 +179,9 @@ def test_a_mini_batch_emptied_by_masking_is_skipped(tiny_model_dir):
     batch = make_batch(_groups(), version=0)
     batch.rollout_logprobs = actor.logprobs(actor.model, batch)
     batch.rollout_logprobs[3] += 5.0  # sample 3 is rejected by sequence masking
-    stats = actor.train(batch)
-    assert (
-        stats["correction/seq_masked_frac"] > 0 if "correction/seq_masked_frac" in stats else True
-    )
-    assert math.isfinite(stats["train/loss"])
+    stats = actor.train(batch)  # used to raise: num_tokens == 0 for the mini-batch of sample 3
+    assert stats["correction/masked_seq_frac"] == pytest.approx(1 / 8)
+    assert math.isfinite(stats["train/loss"]) and stats["train/skipped_updates"] == 0
 
 
 def test_misspelt_options_fail_at_start_up(tiny_model_dir):
