@@ -103,3 +103,18 @@ def test_values_validate_or_fail_with_named_key(n, lr):
 def test_user_data_needs_a_held_out_split():
     with pytest.raises(ConfigError, match="data.eval_source"):
         build_config({"data": {"task": None, "source": "train.jsonl"}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.correction.low=2", "algo.correction.high=1"], "algo.correction.low"),
+        (["algo.kl.coef=0.1", "algo.kl.adaptive_target=0.01"], "algo.kl.as_reward"),
+        (["algo.kl.as_reward=true"], "algo.kl.coef"),
+        (["rollout.temperature=0", "rollout.n=4"], "rollout.temperature"),
+        (["eval.n=4"], "eval.temperature"),
+    ],
+)
+def test_combinations_that_cannot_work_are_rejected_up_front(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, overrides)

@@ -127,3 +127,14 @@ def test_async_filter_oversamples_until_batches_are_full(tmp_path):
     assert all(h["batch/samples"] == 4 * 2 for h in steps)  # every batch holds 4 groups that passed
     assert sum(h["rollout/filtered_groups"] for h in steps) <= len(dropped)
     assert dropped  # odd rows were drawn and filtered, and more prompts were admitted instead
+
+
+def test_a_raising_filter_stops_async_with_its_message_instead_of_hanging(tmp_path):
+    from weir.loop.run import RunError
+
+    def broken(group):
+        raise KeyError("no such field")
+
+    cfg = {**SMALL, "loop": {"mode": "async", "max_staleness": 1}}
+    with pytest.raises(RunError, match="rollout.filter raised KeyError"):
+        weir.run(cfg, [f"run.dir={tmp_path}"], filter=broken)

@@ -125,7 +125,7 @@ class CorrectionConfig(Section):
     """Correction of the engine/trainer log-prob mismatch (truncated importance sampling or masking)."""
     cap: float = Field(2.0, gt=0)
     """Truncation cap C for TIS weights."""
-    low: float = Field(0.5, gt=0)
+    low: float = Field(0.5, ge=0)
     """Masking modes drop tokens / sequences whose trainer/engine ratio is below this."""
     high: float = Field(2.0, gt=0)
     """Masking modes drop tokens / sequences whose trainer/engine ratio is above this."""
@@ -265,6 +265,28 @@ class Config(Section):
         if self.data.task is None and self.data.eval_source is None:
             raise ValueError(
                 "set data.eval_source to held-out prompts (or data.task to a built-in task)"
+            )
+        c, kl = self.algo.correction, self.algo.kl
+        if c.low >= c.high:
+            raise ValueError(
+                f"algo.correction.low ({c.low}) must be below algo.correction.high ({c.high})"
+            )
+        if kl.adaptive_target is not None and not kl.as_reward:
+            raise ValueError(
+                "algo.kl.adaptive_target adapts the KL reward penalty: also set algo.kl.as_reward=true"
+            )
+        if (kl.as_reward or kl.adaptive_target is not None) and kl.coef == 0:
+            raise ValueError(
+                "algo.kl.as_reward / adaptive_target need algo.kl.coef > 0 (the initial coefficient)"
+            )
+        if self.rollout.temperature == 0 and self.rollout.n > 1:
+            raise ValueError(
+                "rollout.temperature=0 with rollout.n > 1 samples n identical responses: no group has any "
+                "reward spread to learn from; set rollout.temperature > 0"
+            )
+        if self.eval.temperature == 0 and self.eval.n > 1:
+            raise ValueError(
+                "eval.n > 1 needs eval.temperature > 0 (greedy samples are identical, pass@k = pass@1)"
             )
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")

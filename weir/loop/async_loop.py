@@ -17,10 +17,9 @@ from weir.config import Config
 from weir.loop.components import Components, build
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
-from weir.loop.sync import RunResult, check_failures, eval_metrics, push_weights
+from weir.loop.sync import RunResult, check_failures, eval_metrics, finish, push_weights
 from weir.rollout.collect import summarize
 from weir.train.batch import make_batch, mask_stale_prefix
-from weir.train.model import save_model
 
 
 def run_async(
@@ -32,7 +31,11 @@ def run_async(
 ) -> RunResult:
     """Train with rollout and training overlapped; `loop.max_staleness=0` trains exactly like run_sync."""
     run = Run.open(cfg)
-    parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
+    try:
+        parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
+    except BaseException:
+        run.close()
+        raise
     if cfg.loop.trainer_threads:
         torch.set_num_threads(cfg.loop.trainer_threads)
     buffer = StalenessBuffer(cfg.rollout.batch_prompts, cfg.loop.max_staleness)
@@ -89,12 +92,7 @@ def run_async(
                 producer.take_counts(),
                 evals,
             )
-        model_dir = (
-            save_model(parts.model, parts.tokenizer, run.dir / "model")
-            if cfg.run.save_model
-            else None
-        )
-        return RunResult(run.dir, run.history, run.evals, model_dir)
+        return finish(run, parts)
     finally:
         producer.stop()
         parts.engine.close()

@@ -43,6 +43,8 @@ class RolloutProducer:
             keep,
         )
         self.regenerate_aborted = regenerate_aborted
+        self.max_filtered_in_a_row = max(1000, 50 * buffer.batch_groups)
+        self._filtered_in_a_row = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="weir-rollout", daemon=True)
         self._lock = threading.Lock()
@@ -60,7 +62,8 @@ class RolloutProducer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def take_counts(self) -> dict[str, float]:
         """Counters since the last call (filtered groups, skipped prompts, admitted prompts)."""
@@ -101,6 +104,36 @@ class RolloutProducer:
             task.cancel()
 
     async def _one(self, ticket: int, row: dict) -> None:
+        """Roll out one prompt into `ticket`; every path ends the ticket exactly once."""
+        try:
+            group = await self._generate(ticket, row)
+            if group is not None and self.keep is not None:
+                try:
+                    kept = bool(self.keep(group))
+                except Exception as err:
+                    raise ValueError(f"rollout.filter raised {type(err).__name__}: {err}") from err
+                if not kept:
+                    self._filtered_in_a_row += 1
+                    self._count("rollout/filtered_groups")
+                    if self._filtered_in_a_row >= self.max_filtered_in_a_row:
+                        raise ValueError(
+                            f"rollout.filter dropped {self._filtered_in_a_row} groups in a row; it keeps "
+                            "(almost) nothing, so no batch can form: loosen it or check the rewards"
+                        )
+                    group = None
+                else:
+                    self._filtered_in_a_row = 0
+        except asyncio.CancelledError:
+            self.buffer.put(ticket, None)
+            raise
+        except Exception as err:  # filter errors and the like stop the run with their message
+            self.buffer.put(ticket, None)
+            self.error = self.error or err
+            self.buffer.close()
+            return
+        self.buffer.put(ticket, group)
+
+    async def _generate(self, ticket: int, row: dict) -> Group | None:
         start = time.perf_counter()
         try:
             group = await self.fn(self.ctx, row)
@@ -111,18 +144,17 @@ class RolloutProducer:
                 group = await self.fn(self.ctx, row)
         except PromptTooLong:
             self._count("rollout/skipped_long_prompts")
-            self.buffer.put(ticket, None)
-            return
+            return None
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a user rollout function must not end the run
             group = failed_group(row, err)
+        if not isinstance(group, Group):
+            raise ValueError(
+                f"rollout.function returned {type(group).__name__}, expected a weir Group"
+            )
         group.group_id = ticket
         for i, s in enumerate(group.samples):
             s.group_id, s.index = ticket, i
         group.metadata["generate_seconds"] = time.perf_counter() - start
-        if self.keep is not None and not self.keep(group):
-            self._count("rollout/filtered_groups")
-            self.buffer.put(ticket, None)
-            return
-        self.buffer.put(ticket, group)
+        return group

@@ -24,6 +24,7 @@ class Run:
     dir: Path
     logger: MetricsLogger
     version: int = 0
+    last_step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     _t: float = field(default_factory=time.perf_counter)
@@ -56,6 +57,10 @@ class Run:
         every = self.cfg.run.eval_every
         return step == self.cfg.run.steps or (every > 0 and step % every == 0)
 
+    @property
+    def last_step_evaluated(self) -> bool:
+        return bool(self.evals) and self.evals[-1]["step"] == self.last_step
+
     def log(self, step: int, *parts: dict[str, float]) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for p in parts:
@@ -63,9 +68,9 @@ class Run:
         now = time.perf_counter()
         metrics.setdefault(
             "time/step", now - self._t
-        )  # a driver that logs every k steps passes its own
+        )  # drivers logging every k steps pass their own
         metrics["version"] = float(self.version)
-        self._t = now
+        self._t, self.last_step = now, step
         self.history.append(metrics)
         if any(k.startswith("eval/") for k in metrics):
             self.evals.append(

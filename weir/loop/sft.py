@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from weir.config import Config
+from weir.data.prompts import PromptTooLong
 from weir.data.sources import load_rows
 from weir.loop.components import make_encoder
 from weir.loop.run import Run, run_dir_of
@@ -15,8 +16,9 @@ from weir.train.model import eos_token_ids, load_model, resolve_model_path, save
 from weir.train.sft import sft
 
 
-def sft_examples(cfg: Config, tokenizer, eos: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, response_ids + eos) pairs from sft.data or the task's SFT generator."""
+def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(prompt_ids, response_ids + eos) pairs from sft.data or the task's SFT generator, and the
+    number of rows skipped for prompts over data.max_prompt_tokens."""
     if cfg.sft.data is not None:
         rows = load_rows(cfg.sft.data)
     elif cfg.data.task is not None:
@@ -30,13 +32,18 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> list[tuple[list[int], list
             "no SFT data: set sft.data to a JSONL/Parquet file of {prompt, response} or data.task"
         )
     encode = make_encoder(cfg, tokenizer)
-    out = []
+    out, skipped = [], 0
     for i, row in enumerate(rows):
         if "response" not in row:
             raise ValueError(f"SFT row {i} has no 'response' field (keys: {sorted(row)})")
+        try:
+            prompt = encode(row)
+        except PromptTooLong:  # data.on_long_prompt=skip
+            skipped += 1
+            continue
         response = tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]
-        out.append((encode(row), [*response, eos]))
-    return out
+        out.append((prompt, [*response, eos]))
+    return out, skipped
 
 
 def run_sft(cfg: Config) -> Path:
@@ -49,7 +56,12 @@ def run_sft(cfg: Config) -> Path:
         cfg.model.path, models_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
     )
     model, tokenizer = load_model(path, cfg.model.dtype)
-    examples = sft_examples(cfg, tokenizer, eos_token_ids(model, tokenizer)[0])
+    eos = (
+        tokenizer.eos_token_id
+        if tokenizer.eos_token_id is not None
+        else eos_token_ids(model, tokenizer)[0]
+    )
+    examples, skipped = sft_examples(cfg, tokenizer, eos)
     total = -(-len(examples) // cfg.sft.batch_size) * cfg.sft.epochs
     every = max(1, total // 10)
     run = Run.open(cfg, total_steps=total)
@@ -57,7 +69,7 @@ def run_sft(cfg: Config) -> Path:
 
         def on_step(step: int, total: int, metrics: dict[str, float]) -> None:
             if step % every == 0 or step == total:
-                run.log(step, metrics)
+                run.log(step, metrics, {"sft/skipped_long_prompts": float(skipped)})
 
         sft(
             model.train(),

@@ -33,13 +33,12 @@ def run_sync(
     filter: Callable | None = None,
 ) -> RunResult:
     """Train with the synchronous loop; plugins may be passed as Python objects instead of dotted paths."""
-    run = Run.open(cfg)
-    parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
+    run, parts = Run.open(cfg), None
     try:
+        parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
         run.log(0, eval_metrics(parts))
         for step in run.steps():
-            if parts.prompts.exhausted:  # data.epochs used up: evaluate the final policy and stop
-                run.log(step - 1, eval_metrics(parts))
+            if parts.prompts.exhausted:  # data.epochs used up
                 break
             rows = parts.prompts.next_batch(cfg.rollout.batch_prompts)
             groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
@@ -52,15 +51,20 @@ def run_sync(
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}
             run.log(step, gen, batch.metrics, stats, sync, evals)
-        model_dir = (
-            save_model(parts.model, parts.tokenizer, run.dir / "model")
-            if cfg.run.save_model
-            else None
-        )
-        return RunResult(run.dir, run.history, run.evals, model_dir)
+        return finish(run, parts)
     finally:
-        parts.engine.close()
+        if parts is not None:
+            parts.engine.close()
         run.close()
+
+
+def finish(run: Run, parts: Components) -> RunResult:
+    """Evaluate the final policy unless the last step already did; save the model."""
+    if not run.last_step_evaluated:
+        run.log(run.last_step, eval_metrics(parts))
+    save = run.cfg.run.save_model
+    model_dir = save_model(parts.model, parts.tokenizer, run.dir / "model") if save else None
+    return RunResult(run.dir, run.history, run.evals, model_dir)
 
 
 def push_weights(parts: Components, version: int) -> dict[str, float]:

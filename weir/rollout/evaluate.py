@@ -28,6 +28,7 @@ def evaluate(
     rewards, per_prompt = [], []
     for g in groups:
         rs = [s.reward if s.reward is not None else 0.0 for s in g.samples]
+        rs += [0.0] * (n - len(rs))  # a failed group holds one sample: the rest count as failures
         rewards.extend(rs)
         per_prompt.append(sum(r >= correct_at for r in rs))
     metrics = {
