@@ -235,6 +235,8 @@ class TelemetryConfig(Section):
     """Print a line of metrics per step."""
     jsonl: bool = True
     """Write metrics.jsonl in the run directory."""
+    trace: bool = True
+    """Write trace.json (Chrome trace: generate, reward, train, sync, wait, eval spans) for Perfetto."""
 
 
 class Config(Section):

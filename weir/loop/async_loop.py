@@ -19,6 +19,7 @@ from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
 from weir.loop.sync import RunResult, check_failures, eval_metrics, finish, push_weights
 from weir.rollout.collect import summarize
+from weir.telemetry.timeline import span
 from weir.train.batch import make_batch, mask_stale_prefix
 
 
@@ -57,7 +58,8 @@ def run_async(
         producer.start()
         for step in run.steps():
             waited = time.perf_counter()
-            groups = next_batch(buffer, producer, run.version)
+            with span("wait", cat="idle"):
+                groups = next_batch(buffer, producer, run.version)
             if groups is None:  # the data ran out
                 break
             waited = time.perf_counter() - waited

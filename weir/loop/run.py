@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weir.config import Config, dump_config
-from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger
+from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger, timeline
+from weir.telemetry.timeline import Timeline
 
 
 def run_dir_of(cfg: Config) -> Path:
@@ -25,6 +26,7 @@ class Run:
     logger: MetricsLogger
     version: int = 0
     last_step: int = 0
+    timeline: Timeline | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     _t: float = field(default_factory=time.perf_counter)
@@ -44,7 +46,11 @@ class Run:
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if cfg.telemetry.console:
             sinks.append(ConsoleSink(cfg.run.steps if total_steps is None else total_steps))
-        return cls(cfg=cfg, dir=run_dir, logger=MetricsLogger(sinks))
+        run = cls(cfg=cfg, dir=run_dir, logger=MetricsLogger(sinks))
+        if cfg.telemetry.trace:
+            run.timeline = Timeline(run_dir / "trace.json")
+            timeline.use(run.timeline)
+        return run
 
     def steps(self) -> range:
         return range(1, self.cfg.run.steps + 1)
@@ -81,3 +87,6 @@ class Run:
 
     def close(self) -> None:
         self.logger.close()
+        if self.timeline is not None:
+            self.timeline.save()
+            timeline.use(None)

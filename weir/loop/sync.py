@@ -13,6 +13,7 @@ from weir.loop.components import Components, build
 from weir.loop.run import Run, RunError
 from weir.rollout.collect import collect_groups, failure_summary
 from weir.rollout.evaluate import evaluate
+from weir.telemetry.timeline import span
 from weir.train.batch import make_batch
 from weir.train.model import save_model
 
@@ -70,12 +71,14 @@ def finish(run: Run, parts: Components) -> RunResult:
 def push_weights(parts: Components, version: int) -> dict[str, float]:
     """Send the trainer's weights to the engine (in-process) and stamp the new version."""
     start = time.perf_counter()
-    asyncio.run(parts.engine.update_weights(parts.trainer.weights(), version))
+    with span("sync", version=version):
+        asyncio.run(parts.engine.update_weights(parts.trainer.weights(), version))
     return {"time/sync": time.perf_counter() - start}
 
 
 def eval_metrics(parts: Components) -> dict[str, float]:
-    metrics, _ = evaluate(parts.eval_ctx, parts.eval_rows, parts.rollout_fn)
+    with span("eval"):
+        metrics, _ = evaluate(parts.eval_ctx, parts.eval_rows, parts.rollout_fn)
     return metrics
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from weir.data.prompts import PromptTooLong
 from weir.data.sample import Group, Sample, Status
 from weir.rollout.single_turn import RolloutContext
+from weir.telemetry.timeline import span
 
 
 def failed_group(row: dict, err: BaseException) -> Group:
@@ -49,7 +50,8 @@ def collect_groups(
     Each group gets `group_id` = its position in `rows`, unique within the step (GRPO groups by it).
     """
     start = time.perf_counter()
-    groups, skipped = asyncio.run(_collect(ctx, rows, fn))
+    with span("generate", rows=len(rows)):
+        groups, skipped = asyncio.run(_collect(ctx, rows, fn))
     for gid, g in enumerate(groups):
         g.group_id = gid
         for i, s in enumerate(g.samples):

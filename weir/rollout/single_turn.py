@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Engine, SamplingParams
 from weir.rollout.rewards import score
+from weir.telemetry.timeline import async_span
 
+_rollout_ids = itertools.count()
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
@@ -36,7 +39,9 @@ class RolloutContext:
 async def rollout(ctx: RolloutContext, row: dict) -> Group:
     """Generate `ctx.sampling.n` responses to `row`'s prompt and score each with the reward function."""
     prompt_ids = ctx.encode(row)
-    completions = await ctx.engine.generate(prompt_ids, ctx.sampling)
+    key = next(_rollout_ids)
+    with async_span("generate", key, prompt=row.get("_index")):
+        completions = await ctx.engine.generate(prompt_ids, ctx.sampling)
     samples = [
         Sample(
             prompt_ids=prompt_ids,
@@ -50,7 +55,8 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
         )
         for i, c in enumerate(completions)
     ]
-    await asyncio.gather(
-        *(score(ctx.reward_fn, s, row, timeout_s=ctx.reward_timeout_s) for s in samples)
-    )
+    with async_span("reward", key, cat="reward"):
+        await asyncio.gather(
+            *(score(ctx.reward_fn, s, row, timeout_s=ctx.reward_timeout_s) for s in samples)
+        )
     return Group(samples=samples, row=row)

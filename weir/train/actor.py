@@ -17,6 +17,7 @@ import torch
 
 from weir import algo
 from weir.config import Config
+from weir.telemetry.timeline import span
 from weir.train.batch import TrainBatch
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import pack_by_tokens, packed_response_logprobs
@@ -105,18 +106,23 @@ class Actor:
         out = torch.zeros_like(batch.response_mask)
         seqs, lens = batch.sequences, batch.response_lengths
         for idx in pack_by_tokens([len(s) for s in seqs], self.tcfg.micro_batch_tokens):
-            res = packed_response_logprobs(
-                model,
-                [seqs[i] for i in idx],
-                [lens[i] for i in idx],
-                temperature=self.temperature,
-                pad_to=out.shape[1],
-            )
+            with span("logprobs", cat="train", sequences=len(idx)):
+                res = packed_response_logprobs(
+                    model,
+                    [seqs[i] for i in idx],
+                    [lens[i] for i in idx],
+                    temperature=self.temperature,
+                    pad_to=out.shape[1],
+                )
             out[idx] = res.logprobs
         return out
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One RL step of updates on `batch`; returns metrics (loss, clip fraction, KL, grad norm...)."""
+        with span("train", samples=len(batch)):
+            return self._train(batch)
+
+    def _train(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
         mask, stats = batch.response_mask, {}
         old = self.logprobs(self.model, batch) if self.needs_recompute else batch.rollout_logprobs
@@ -220,15 +226,16 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         for local in pack_by_tokens([len(seqs[i]) for i in mb], self.tcfg.micro_batch_tokens):
             idx = [mb[j] for j in local]
-            out = packed_response_logprobs(
-                self.model,
-                [seqs[i] for i in idx],
-                [lens[i] for i in idx],
-                temperature=self.temperature,
-                with_entropy=True,
-                entropy_grad=self.acfg.entropy_coef != 0,
-                pad_to=width,
-            )
+            with span("forward", cat="train", sequences=len(idx)):
+                out = packed_response_logprobs(
+                    self.model,
+                    [seqs[i] for i in idx],
+                    [lens[i] for i in idx],
+                    temperature=self.temperature,
+                    with_entropy=True,
+                    entropy_grad=self.acfg.entropy_coef != 0,
+                    pad_to=width,
+                )
             m = mask[idx]
             kl_in_loss = ref is not None and not self.acfg.kl.as_reward
             loss, pg = algo.compute_policy_loss(
@@ -252,7 +259,8 @@ class Actor:
                 entropy_coef=self.acfg.entropy_coef,
                 **self.acfg.loss_options,
             )
-            loss.backward()
+            with span("backward", cat="train"):
+                loss.backward()
             share = float(m.sum().item()) / max(num_tokens, 1.0)
             sums["train/loss"] += loss.item()
             for k, v in pg.items():
@@ -270,15 +278,16 @@ class Actor:
                 diff = (out.logprobs.detach() - batch.rollout_logprobs[idx]) * policy
                 self._mismatch_sums[0] += diff.abs().sum().item()
                 self._mismatch_sums[1] += policy.sum().item()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
-            self.skipped_updates += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with span("optimizer", cat="train"):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
+            if math.isfinite(norm):
+                self.optimizer.step()
+            else:
+                self.skipped_updates += 1
+                self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
         self.updates += 1
         return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 

@@ -1,0 +1,41 @@
+"""The run's trace.json is Chrome trace JSON with spans for every phase of the step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import weir
+
+SMALL = {
+    "run": {"steps": 2, "eval_every": 0, "save_model": False},
+    "model": {"path": "tiny:nano", "threads": 1},
+    "data": {"task": "arithmetic", "eval_size": 4},
+    "rollout": {"n": 2, "batch_prompts": 3, "max_new_tokens": 3},
+    "telemetry": {"console": False},
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_trace_has_a_span_for_every_phase(tmp_path, mode):
+    result = weir.run(
+        {**SMALL, "loop": {"mode": mode}}, [f"run.dir={tmp_path}", "algo.old_logprobs=recompute"]
+    )
+    trace = json.loads((result.dir / "trace.json").read_text())
+    events = trace["traceEvents"]
+    complete = {e["name"] for e in events if e["ph"] == "X"}
+    expected = {"train", "logprobs", "forward", "backward", "optimizer", "sync", "eval"}
+    expected |= {"wait"} if mode == "async" else {"generate"}
+    assert expected <= complete, expected - complete
+    begins = [e for e in events if e["ph"] == "b"]
+    ends = {(e["name"], e["id"]) for e in events if e["ph"] == "e"}
+    assert {"generate", "reward"} <= {e["name"] for e in begins}
+    assert all((e["name"], e["id"]) in ends for e in begins)  # every async span was closed
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    assert any(e["ph"] == "M" and e["name"] == "thread_name" for e in events)
+
+
+def test_trace_can_be_switched_off(tmp_path):
+    result = weir.run(SMALL, [f"run.dir={tmp_path}", "telemetry.trace=false"])
+    assert not (result.dir / "trace.json").exists()
