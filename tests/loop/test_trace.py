@@ -39,3 +39,18 @@ def test_trace_has_a_span_for_every_phase(tmp_path, mode):
 def test_trace_can_be_switched_off(tmp_path):
     result = weir.run(SMALL, [f"run.dir={tmp_path}", "telemetry.trace=false"])
     assert not (result.dir / "trace.json").exists()
+
+
+def test_rollout_dumps_hold_exactly_what_was_trained(tmp_path):
+    result = weir.run(SMALL, [f"run.dir={tmp_path}", "telemetry.dump_rollouts=true"])
+    files = sorted((result.dir / "rollouts").glob("step_*.jsonl"))
+    assert [f.name for f in files] == ["step_000001.jsonl", "step_000002.jsonl"]
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert len(records) == 3 * 2  # batch_prompts x n
+    for r in records:
+        n = len(r["response_ids"])
+        assert len(r["rollout_logprobs"]) == len(r["versions"]) == len(r["loss_mask"]) == n
+        assert set(r["versions"]) == {0} and all(lp <= 0 for lp in r["rollout_logprobs"])
+        assert r["row"]["prompt"] and r["status"] in ("completed", "truncated")
+    mean = sum(r["reward"] for r in records) / len(records)
+    assert mean == pytest.approx(result.history[1]["reward/mean"])

@@ -235,6 +235,8 @@ class TelemetryConfig(Section):
     """Print a line of metrics per step."""
     jsonl: bool = True
     """Write metrics.jsonl in the run directory."""
+    dump_rollouts: bool = False
+    """Write each step's samples (ids, text, rewards, log-probs, versions) to rollouts/step_N.jsonl."""
     trace: bool = True
     """Write trace.json (Chrome trace: generate, reward, train, sync, wait, eval spans) for Perfetto."""
 

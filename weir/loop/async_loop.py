@@ -70,6 +70,7 @@ def run_async(
             )
             gen = summarize(groups)
             check_failures(cfg, groups, gen)
+            run.dump(step, groups)
             batch = make_batch(groups, version=run.version)
             if batch is None:
                 run.log(step, gen, {"train/empty_steps": 1.0})

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from weir.config import Config, dump_config
 from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger, timeline
+from weir.telemetry.rollouts import dump_rollouts
 from weir.telemetry.timeline import Timeline
 
 
@@ -84,6 +85,11 @@ class Run:
             )
         self.logger.log(step, metrics)
         return metrics
+
+    def dump(self, step: int, groups) -> None:
+        """Write the step's groups to rollouts/step_<step>.jsonl when telemetry.dump_rollouts is on."""
+        if self.cfg.telemetry.dump_rollouts:
+            dump_rollouts(self.dir / "rollouts" / f"step_{step:06d}.jsonl", step, groups)
 
     def close(self) -> None:
         self.logger.close()

@@ -44,6 +44,7 @@ def run_sync(
             rows = parts.prompts.next_batch(cfg.rollout.batch_prompts)
             groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
             check_failures(cfg, groups, gen)
+            run.dump(step, groups)
             batch = make_batch(groups, version=run.version)
             if batch is None:  # every group filtered out or failed: nothing to learn from
                 run.log(step, gen, {"train/empty_steps": 1.0})
