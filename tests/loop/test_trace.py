@@ -54,3 +54,16 @@ def test_rollout_dumps_hold_exactly_what_was_trained(tmp_path):
         assert r["row"]["prompt"] and r["status"] in ("completed", "truncated")
     mean = sum(r["reward"] for r in records) / len(records)
     assert mean == pytest.approx(result.history[1]["reward/mean"])
+
+
+def test_tensorboard_events_hold_the_step_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = weir.run(SMALL, [f"run.dir={tmp_path}", "telemetry.tensorboard=true"])
+    acc = EventAccumulator(str(result.dir / "tensorboard"))
+    acc.Reload()
+    rewards = acc.Scalars("reward/mean")
+    assert [e.step for e in rewards] == [1, 2]
+    assert rewards[0].value == pytest.approx(result.history[1]["reward/mean"], abs=1e-6)
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2]
+    assert "train/grad_norm" in acc.Tags()["scalars"]

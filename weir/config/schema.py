@@ -235,6 +235,8 @@ class TelemetryConfig(Section):
     """Print a line of metrics per step."""
     jsonl: bool = True
     """Write metrics.jsonl in the run directory."""
+    tensorboard: bool = False
+    """Write TensorBoard event files to <run dir>/tensorboard (pip install 'weir[tensorboard]')."""
     dump_rollouts: bool = False
     """Write each step's samples (ids, text, rewards, log-probs, versions) to rollouts/step_N.jsonl."""
     trace: bool = True

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weir.config import Config, dump_config
-from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger, timeline
+from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink, timeline
 from weir.telemetry.rollouts import dump_rollouts
 from weir.telemetry.timeline import Timeline
 
@@ -45,6 +45,8 @@ class Run:
         sinks = []
         if cfg.telemetry.jsonl:
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if cfg.telemetry.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if cfg.telemetry.console:
             sinks.append(ConsoleSink(cfg.run.steps if total_steps is None else total_steps))
         run = cls(cfg=cfg, dir=run_dir, logger=MetricsLogger(sinks))

@@ -1,5 +1,5 @@
 """Metric sinks and console output."""
 
-from weir.telemetry.sinks import ConsoleSink, JsonlSink, MetricsLogger
+from weir.telemetry.sinks import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink
 
-__all__ = ["ConsoleSink", "JsonlSink", "MetricsLogger"]
+__all__ = ["ConsoleSink", "JsonlSink", "MetricsLogger", "TensorBoardSink"]

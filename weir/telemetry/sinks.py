@@ -70,6 +70,28 @@ class ConsoleSink:
         pass
 
 
+class TensorBoardSink:
+    """Scalars for TensorBoard (needs the `tensorboard` package: pip install 'weir[tensorboard]')."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ValueError(
+                "telemetry.tensorboard=true needs the tensorboard package: pip install 'weir[tensorboard]'"
+            ) from err
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsLogger:
     """Fan step metrics out to every configured sink."""
 
