@@ -25,27 +25,8 @@ def slow_exact_match(sample, row, *, latency: float) -> float:
     return exact_match(sample, row)
 
 
-BASE = {
-    "run": {"seed": 0, "eval_every": 0, "save_model": False},
-    "model": {"path": "tiny:tiny", "threads": 1},
-    "data": {
-        "task": "arithmetic",
-        "task_options": {"digits": 1},
-        "eval_size": 100,
-        "train_size": 2000,
-    },
-    "sft": {
-        "rows": 3000,
-        "task_options": {"corrupt": 0.7},
-        "batch_size": 64,
-        "lr": 3e-3,
-        "epochs": 4,
-    },
-    "rollout": {"n": 8, "batch_prompts": 32, "temperature": 1.0, "max_new_tokens": 4},
-    "algo": {"advantage": "grpo", "policy_loss": "ppo", "old_logprobs": "engine"},
-    "train": {"lr": 5e-5, "warmup_steps": 2},
-    "telemetry": {"console": False},
-}
+BASE = str(Path(__file__).parents[1] / "examples" / "arithmetic_quick.yaml")
+QUIET = ["telemetry.console=false", "run.save_model=false"]
 
 
 def main() -> None:
@@ -61,8 +42,9 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        sft_model = weir.sft(BASE, [f"run.dir={root / 'sft'}"])
+        sft_model = weir.sft(BASE, [*QUIET, f"run.dir={root / 'sft'}"])
         common = [
+            *QUIET,
             f"model.path={sft_model}",
             f"run.steps={args.steps}",
             f"rollout.max_new_tokens={args.max_new_tokens}",
@@ -102,7 +84,7 @@ def main() -> None:
             )
     base = rows[0][1]
     print(
-        f"{args.steps} steps x {BASE['rollout']['batch_prompts']} prompts x n={BASE['rollout']['n']}, 1-digit addition, tiny model, "
+        f"{args.steps} steps x 32 prompts x n=8 (examples/arithmetic_quick.yaml), "
         f"reward latency {args.reward_latency * 1000:.0f} ms"
     )
     print(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 
 import pytest
@@ -60,12 +59,14 @@ def test_async_staleness_never_exceeds_eta(tmp_path, eta):
 def test_async_learns_the_easy_task(tmp_path):
     from test_learning import EASY
 
-    cfg = copy.deepcopy(EASY)
-    sft_model = weir.sft(weir.build_config(cfg, [f"run.dir={tmp_path / 'sft'}"]))
-    cfg["loop"] = {"mode": "async", "max_staleness": 1}
-    result = weir.run(
-        cfg, [f"run.dir={tmp_path / 'rl'}", f"model.path={sft_model}", "run.steps=20"]
-    )
+    sft_model = weir.sft(EASY, [f"run.dir={tmp_path / 'sft'}"])
+    overrides = [
+        "loop.mode=async",
+        "loop.max_staleness=1",
+        f"model.path={sft_model}",
+        "run.steps=20",
+    ]
+    result = weir.run(EASY, [f"run.dir={tmp_path / 'rl'}", *overrides])
     rewards = [h["reward/mean"] for h in result.history if "reward/mean" in h]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert result.evals[-1]["eval/accuracy"] > result.evals[0]["eval/accuracy"] + 0.2

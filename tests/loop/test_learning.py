@@ -3,38 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import weir
 
-EASY = {
-    "run": {"seed": 0, "eval_every": 0},
-    "model": {"path": "tiny:tiny", "threads": 1},
-    "data": {
-        "task": "arithmetic",
-        "task_options": {"digits": 1},
-        "eval_size": 100,
-        "train_size": 2000,
-    },
-    "sft": {
-        "rows": 3000,
-        "task_options": {"corrupt": 0.7},
-        "batch_size": 64,
-        "lr": 3e-3,
-        "epochs": 4,
-    },
-    "rollout": {"n": 8, "batch_prompts": 32, "temperature": 1.0, "max_new_tokens": 4},
-    "algo": {"advantage": "grpo", "policy_loss": "ppo", "old_logprobs": "engine"},
-    "train": {"lr": 5e-5, "warmup_steps": 2},
-    "eval": {"temperature": 0.0},
-}
+EASY = str(Path(__file__).parents[2] / "examples" / "arithmetic_quick.yaml")
 
 
 @pytest.mark.slow
 def test_grpo_raises_reward_after_sft(tmp_path):
-    cfg = weir.build_config(EASY, [f"run.dir={tmp_path / 'sft'}"])
-    sft_model = weir.sft(cfg)
+    sft_model = weir.sft(EASY, [f"run.dir={tmp_path / 'sft'}"])
     result = weir.run(
         EASY, [f"run.dir={tmp_path / 'rl'}", f"model.path={sft_model}", "run.steps=20"]
     )
