@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import typing
-
 from pydantic import BaseModel
 
 from weir.config.schema import Config
@@ -73,4 +71,4 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["config_reference", "typing"]
+__all__ = ["config_reference"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from weir.buffer import StalenessBuffer
+from weir.buffer import BufferClosed, StalenessBuffer
 from weir.config import Config
 from weir.loop.components import Components, build
 from weir.loop.producer import RolloutProducer
@@ -104,8 +104,6 @@ def run_async(
 
 def next_batch(buffer: StalenessBuffer, producer: RolloutProducer, version: int) -> list | None:
     """The next batch from the buffer; None when the data is exhausted; the producer's error if it died."""
-    from weir.buffer import BufferClosed
-
     try:
         return buffer.get_batch(version)
     except BufferClosed:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from weir.config import Config
 from weir.data.prompts import PromptTooLong
 from weir.data.sources import load_rows
-from weir.loop.components import make_encoder
+from weir.loop.components import load_run_model, make_encoder
 from weir.loop.run import Run, run_dir_of
 from weir.tasks import get_task
-from weir.train.model import eos_token_ids, load_model, resolve_model_path, save_model
+from weir.train.model import eos_token_ids, save_model
 from weir.train.sft import sft
 
 
@@ -48,14 +46,7 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int]
 
 def run_sft(cfg: Config) -> Path:
     """Warm-start `cfg.model.path` on SFT data; returns the saved model directory (<run dir>/model)."""
-    torch.manual_seed(cfg.run.seed)
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
-    models_dir = run_dir_of(cfg).parent / ".models"
-    path = resolve_model_path(
-        cfg.model.path, models_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
-    )
-    model, tokenizer = load_model(path, cfg.model.dtype)
+    model, tokenizer = load_run_model(cfg, run_dir_of(cfg))
     eos = (
         tokenizer.eos_token_id
         if tokenizer.eos_token_id is not None
