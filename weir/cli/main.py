@@ -1,4 +1,4 @@
-"""The `weir` command line: train, sft, eval, demo, config-docs."""
+"""The `weir` command line: train, sft, eval, export, demo, config-docs."""
 
 from __future__ import annotations
 
@@ -53,6 +53,13 @@ def _user_errors(fn):
                 raise
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            if os.environ.get("WEIR_DEBUG"):
+                raise
+            console.print(
+                "interrupted; run the same command again to resume from the newest checkpoint"
+            )
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -85,6 +92,25 @@ def train(
     console.print(f"run directory: {result.dir}")
     if result.model_dir:
         console.print(f"trained model: {result.model_dir}")
+
+
+@app.command()
+@_user_errors
+def export(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A checkpoint (runs/x/checkpoints/step_N), or a run directory.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the HF model directory.")],
+    dtype: Annotated[
+        str | None, typer.Option(help="Convert the weights: float32 or bfloat16.")
+    ] = None,
+) -> None:
+    """Export a checkpoint as a standard Hugging Face model directory (safetensors, config, tokenizer)."""
+    from weir.train.export import export_model
+
+    if dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"--dtype {dtype}: use float32 or bfloat16")
+    console.print(f"exported to {export_model(checkpoint, out, dtype)}")
 
 
 @app.command()

@@ -693,6 +693,17 @@ class TorchEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue sampling exactly: the seed stream of unseeded requests
+        and the weight version. Take it when no request is in flight."""
+        with self._mu:
+            return {"rng": self._rng.getstate(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._mu:
+            self._rng.setstate(state["rng"])
+        self._set_version(state["version"])
+
     def stats(self) -> dict[str, float]:
         """Counters since start: requests, generated/prefill tokens, decode steps, busy seconds."""
         with self._mu:
