@@ -3,6 +3,7 @@ exactly the metrics of the run that was never killed; the same seed and config g
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -82,10 +83,8 @@ def _steps_logged(run_dir: Path) -> int:
         return -1
     steps = []
     for line in path.read_text().splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a line being written
             steps.append(json.loads(line)["step"])
-        except ValueError:
-            pass
     return max(steps, default=-1)
 
 

@@ -57,6 +57,8 @@ def prompt_messages(
     value = row.get(prompt_key)
     if value is None and "messages" in row:
         value = row["messages"]
+    if value is None and prompt_key in row:
+        raise BadRow(f"{where}: the prompt field {prompt_key!r} is null")
     if value is None:
         raise BadRow(
             f"{where} has no prompt: no {prompt_key!r} or 'messages' field; its keys are {sorted(row)}"
