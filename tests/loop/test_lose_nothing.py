@@ -158,7 +158,7 @@ def test_slow_and_raising_rewards_fail_their_samples_and_are_counted(tmp_path):
         if calls["n"] % 4 == 1:
             raise RuntimeError("grader crashed")
         if calls["n"] % 4 == 2:
-            time.sleep(2.0)
+            time.sleep(6.0)  # hung far past reward.timeout_s
         return 1.0 if sample.index == 0 else 0.0
 
     cfg = {**BASE, "run": {**BASE["run"], "steps": 2, "checkpoint_every": 0}}
@@ -168,6 +168,7 @@ def test_slow_and_raising_rewards_fail_their_samples_and_are_counted(tmp_path):
     for h in result.history[1:3]:
         assert h["rollout/failed"] >= 2 and h["rollout/failed_frac"] < 0.9
         assert math.isfinite(h["train/loss"])
+        assert h["time/generate"] < 4.0  # the step did not wait for the hung reward threads
 
     cfg["rollout"]["max_failed_fraction"] = 0.1
     calls["n"] = 0
