@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weir.config import Config
+from weir.config import Config, load_config
 from weir.loop.components import load_run_model, make_contexts, make_engine, task_rows
 from weir.plugins import resolve
 from weir.rollout.evaluate import evaluate
+
+# what `weir eval MODEL` uses for a bare model directory or hub name, unless a flag says otherwise
+DEFAULTS = {"n": 1, "temperature": 0.0, "size": 500, "max_new_tokens": 64, "seed": 0}
 
 
 def run_eval(cfg: Config) -> dict[str, float]:
@@ -21,3 +24,57 @@ def run_eval(cfg: Config) -> dict[str, float]:
         return metrics
     finally:
         engine.close()
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A training run's directory: its resolved config.yaml and the final model in model/."""
+    p = Path(path)
+    return (p / "config.yaml").is_file() and (p / "model").is_dir()
+
+
+def eval_config(
+    model: str,
+    *,
+    task: str | None = None,
+    data: Path | None = None,
+    reward: str | None = None,
+    n: int | None = None,
+    temperature: float | None = None,
+    size: int | None = None,
+    max_new_tokens: int | None = None,
+    seed: int | None = None,
+) -> Config:
+    """The config `weir eval` runs.
+
+    `model` is a model directory, a hub name, or a run directory. A run directory is evaluated
+    exactly as the run evaluated itself (its config.yaml: task, held-out rows, reward, eval
+    sampling) on its final model (model/), so greedy accuracy reproduces the run's last eval;
+    flags given explicitly still win. Anything else gets `DEFAULTS` for the flags left out.
+    """
+    flags = {
+        "n": n,
+        "temperature": temperature,
+        "size": size,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+    }
+    run = is_run_dir(model)
+    if not run:
+        flags = {k: DEFAULTS[k] if v is None else v for k, v in flags.items()}
+    keys = {
+        "n": "eval.n",
+        "temperature": "eval.temperature",
+        "size": "data.eval_size",
+        "max_new_tokens": "eval.max_new_tokens",
+        "seed": "run.seed",
+    }
+    overrides = [f"{keys[k]}={v}" for k, v in flags.items() if v is not None]
+    model_path = str(Path(model) / "model") if run else model
+    overrides += [f"model.path={model_path}", "run.steps=0"]
+    if task:
+        overrides.append(f"data.task={task}")
+    if data:
+        overrides += [f"data.eval_source={data}", f"data.source={data}"]
+    if reward:
+        overrides.append(f"reward.function={reward}")
+    return load_config(Path(model) / "config.yaml" if run else None, overrides)

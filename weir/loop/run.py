@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weir.config import Config, dump_config
-from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink, timeline
+from weir.telemetry import JsonlSink, MetricsLogger, TensorBoardSink, console_sink, timeline
 from weir.telemetry.rollouts import dump_rollouts
+from weir.telemetry.sinks import wandb_sink
 from weir.telemetry.timeline import Timeline
 
 
@@ -47,8 +48,11 @@ class Run:
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if cfg.telemetry.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if cfg.telemetry.wandb:
+            sinks.append(wandb_sink(cfg, run_dir))
         if cfg.telemetry.console:
-            sinks.append(ConsoleSink(cfg.run.steps if total_steps is None else total_steps))
+            total = cfg.run.steps if total_steps is None else total_steps
+            sinks.append(console_sink(total, cfg.telemetry.progress))
         run = cls(cfg=cfg, dir=run_dir, logger=MetricsLogger(sinks))
         if cfg.telemetry.trace:
             run.timeline = Timeline(run_dir / "trace.json")
