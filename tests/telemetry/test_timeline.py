@@ -24,24 +24,28 @@ def events_by_thread(run_dir) -> tuple[dict[str, set[str]], dict[str, int]]:
     return phases, {v: k for k, v in names.items()}
 
 
-def test_sync_trace_has_every_phase_on_the_trainer_thread(sync_run):
+def test_sync_trace_has_every_phase_on_the_thread_that_ran_it(sync_run):
     phases, tids = events_by_thread(sync_run.dir)
-    assert set(phases) == {"MainThread"}  # the sync loop runs every phase in turn on one thread
+    # the sync loop runs every phase in turn on one thread; the engine decodes on its own
+    assert set(phases) == {"MainThread", "weir-torch-engine"}
     assert TRAIN_PHASES | {"generate", "reward", "sync", "eval"} <= phases["MainThread"]
+    assert phases["weir-torch-engine"] == {"decode"}
 
 
 def test_async_trace_puts_rollout_and_training_on_their_own_threads(async_run):
     phases, tids = events_by_thread(async_run.dir)
-    assert tids["MainThread"] != tids["weir-rollout"]
+    assert len({tids["MainThread"], tids["weir-rollout"], tids["weir-torch-engine"]}) == 3
     assert TRAIN_PHASES | {"sync", "wait", "eval"} <= phases["MainThread"]
-    assert {"generate", "reward"} <= phases["weir-rollout"]
+    assert {"generate", "reward", "wait"} <= phases["weir-rollout"]  # wait: for admission
     assert not TRAIN_PHASES & phases["weir-rollout"]
+    assert phases["weir-torch-engine"] == {"decode"}
 
 
 def test_spans_read_back_as_lanes_per_thread(async_run):
     spans = load_spans(async_run.dir / "trace.json")
     lanes = {s.lane for s in spans}
     assert {"MainThread", "MainThread / detail", "weir-rollout / generate"} <= lanes
+    assert "weir-torch-engine" in lanes
     assert {s.name for s in spans if s.lane == "MainThread / detail"} >= {"forward", "backward"}
     for lane in lanes:  # merged async spans never overlap within their lane
         mine = sorted((s.start, s.end) for s in spans if s.lane == lane and " / " in lane)
@@ -64,6 +68,23 @@ def test_nested_and_overlapping_spans(tmp_path):
     assert ("MainThread / detail", "forward") in by_name
     gens = [s for s in spans if s.name == "generate"]
     assert len(gens) == 1 and gens[0].lane == "MainThread / generate"  # two in flight: one bar
+
+
+def test_back_to_back_spans_merge_within_the_gap(tmp_path, monkeypatch):
+    ms = 1_000_000  # ns
+    # t0, then (start, end) of three spans: 1-1.5 ms, 2-3 ms (0.5 ms after: merged), 5-6 ms
+    clock = iter([0, 1 * ms, ms * 3 // 2, 2 * ms, 3 * ms, 5 * ms, 6 * ms])
+    monkeypatch.setattr("weir.telemetry.timeline.time.perf_counter_ns", lambda: next(clock))
+    tl = Timeline(tmp_path / "trace.json")
+    for _ in range(3):
+        with tl.span("decode", cat="engine", merge_gap_ms=0.6):
+            pass
+    monkeypatch.undo()
+    events = [e for e in json.loads(tl.save().read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [(e["ts"], e["dur"], e["args"]["merged"]) for e in events] == [
+        (1000, 2000, 2),
+        (5000, 1000, 1),
+    ]
 
 
 intervals = st.lists(

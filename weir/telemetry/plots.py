@@ -77,6 +77,7 @@ PANELS = [
 # one colour per timeline phase, shared by the HTML and the PNG
 PHASE_COLORS = {
     "generate": "#1f77b4",
+    "decode": "#aec7e8",
     "reward": "#2ca02c",
     "train": "#d62728",
     "logprobs": "#ff9896",
@@ -87,7 +88,7 @@ PHASE_COLORS = {
     "wait": "#7f7f7f",
     "eval": "#17becf",
 }
-_OTHER = ["#bcbd22", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5"]
+_OTHER = ["#bcbd22", "#ffbb78", "#98df8a", "#c5b0d5", "#dbdb8d"]
 
 
 def _finite(v: object) -> bool:
@@ -99,15 +100,18 @@ def phase_color(name: str) -> str:
 
 
 def lanes_of(spans: list[Span]) -> list[str]:
-    """Lanes in order of first appearance, each thread's own lane before its sub-lanes."""
-    order: list[str] = []
+    """Lanes grouped by thread (threads in order of first appearance), each thread's own lane
+    first, then its sub-lanes in order of first appearance."""
+    threads: dict[str, list[str]] = {}
     for s in spans:
-        base = s.lane.split(" / ")[0]
-        for lane in (base, s.lane):
-            if lane not in order:
-                order.append(lane)
-    present = {s.lane for s in spans}
-    return [lane for lane in order if lane in present]
+        lanes = threads.setdefault(s.lane.split(" / ")[0], [])
+        if s.lane not in lanes:
+            lanes.append(s.lane)
+    return [
+        lane
+        for thread, lanes in threads.items()
+        for lane in sorted(lanes, key=lambda x: x != thread)
+    ]
 
 
 # -- plotly (HTML) ------------------------------------------------------------------------------

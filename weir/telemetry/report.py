@@ -202,19 +202,22 @@ def _timeline_table(spans: list[Span]) -> str:
     def of(name: str) -> list[tuple[float, float]]:
         return [(s.start, s.end) for s in spans if s.name == name]
 
-    gen, train, wait = of("generate"), of("train"), of("wait")
-    both = overlap(gen, train)
+    gen, decode, train = of("generate"), of("decode"), of("train")
     facts = [
         f"traced wall time {wall:.2f} s",
-        f"generation {total(gen):.2f} s",
+        f"rollouts in flight {total(gen):.2f} s",
         f"training {total(train):.2f} s",
-        f"generation and training overlapped {both:.2f} s"
-        + (f" ({both / total(train):.0%} of training)" if total(train) else ""),
+        f"rollouts and training overlapped {overlap(gen, train):.2f} s",
     ]
-    if wait:
+    if decode:
         facts.append(
-            f"the trainer waited for batches {total(wait):.2f} s ({total(wait) / wall:.0%})"
+            f"the engine computed {total(decode):.2f} s ({total(decode) / wall:.0%}), "
+            f"{overlap(decode, train):.2f} s of it while the trainer trained"
         )
+    for thread in dict.fromkeys(s.lane.split(" / ")[0] for s in spans):
+        waits = [(s.start, s.end) for s in spans if s.name == "wait" and s.lane.startswith(thread)]
+        if waits:
+            facts.append(f"{thread} waited {total(waits):.2f} s ({total(waits) / wall:.0%})")
     return f"<p>{html.escape('; '.join(facts))}.</p>" + _table(
         ["lane", "phases", "busy", "share of wall time"], rows, "lanes"
     )
