@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -44,6 +45,11 @@ def test_report_has_every_curve_the_timeline_and_samples(sync_run, tmp_path):
     # the best and the worst sample of the last step, with their rewards
     last = max(load_rollouts(sync_run.dir))
     rewards = [r["reward"] for r in load_rollouts(sync_run.dir)[last]]
+    dumped = load_rollouts(sync_run.dir)[last]
+    best = max(dumped, key=lambda r: r["reward"])  # first of the best, as the report picks
+    shown = best["prompt_text"] or best["row"]["prompt"]  # the dataset row when no prompt text
+    cells = f"<pre>{html.escape(shown)}</pre></td><td><pre>{html.escape(best['response_text'])}"
+    assert cells in page
     rows = re.findall(rf"<tr><td>{last}</td><td>(best|worst)</td><td>([^<]+)</td>", page)
     assert rows[0] == ("best", f"{max(rewards):.4g}")
     if len(rows) > 1:
@@ -143,6 +149,7 @@ def chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProc
             "--headless",
             "--no-sandbox",  # tests may run as root (CI containers)
             "--disable-gpu",
+            "--disable-dev-shm-usage",  # small /dev/shm in containers
             "--hide-scrollbars",
             f"--user-data-dir={profile}",
             "--enable-logging=stderr",

@@ -241,8 +241,9 @@ def _samples_table(rollouts: dict[int, list[dict]]) -> str:
         if not scored:
             continue
         mean = sum(r["reward"] for r in scored) / len(scored)
-        ranked = sorted(scored, key=lambda r: r["reward"])
-        picks = [("best", ranked[-1])] + ([("worst", ranked[0])] if len(ranked) > 1 else [])
+        best = max(scored, key=lambda r: r["reward"])  # the first of equals, in dump order
+        worst = min(scored, key=lambda r: r["reward"])
+        picks = [("best", best)] + ([("worst", worst)] if len(scored) > 1 else [])
         for which, r in picks:
             prompt = r.get("prompt_text") or str((r.get("row") or {}).get("prompt", ""))
             rows.append(

@@ -177,7 +177,8 @@ class WandbSink:
     """Step metrics to Weights & Biases (pip install 'weir[wandb]'), offline by default.
 
     Offline runs live in <dir>/wandb/offline-run-*/ and never touch the network; `wandb sync`
-    uploads them later.
+    uploads them later. wandb's own service process writes the files, and may still be finishing
+    them for a moment after `close()` returns.
     """
 
     def __init__(
