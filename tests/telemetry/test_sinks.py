@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import sys
 import time
 
 import pytest
@@ -159,3 +160,9 @@ def test_telemetry_wandb_in_the_config_opens_the_sink(tmp_path):
     assert any(
         r.get("reward/mean") == 0.125 and r["_step"] == 1 for r in wandb_history(tmp_path, steps=1)
     )
+
+
+def test_wandb_missing_is_a_one_line_fix(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(ValueError, match=r"pip install 'weir\[wandb\]'"):
+        WandbSink(tmp_path, project="p", name="n")

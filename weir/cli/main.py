@@ -20,8 +20,10 @@ console = Console(highlight=False)
 
 
 @app.callback()
-def _quiet_hf() -> None:
+def _quiet_hf(ctx: typer.Context) -> None:
     """weir prints its own progress; silence transformers' per-file loading bars."""
+    if ctx.invoked_subcommand == "report":  # loads no model: skip importing transformers
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -44,11 +46,14 @@ def _user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from weir.loop.run import RunError
-
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, RunError) as err:
+        except Exception as err:
+            # imported here: weir.loop pulls in torch, which `weir report` does not need
+            from weir.loop.run import RunError
+
+            if not isinstance(err, ValueError | FileNotFoundError | RunError):
+                raise
             if os.environ.get("WEIR_DEBUG"):
                 raise
             console.print(f"[red]error:[/red] {err}")
