@@ -242,11 +242,21 @@ class LoopConfig(Section):
 
 class TelemetryConfig(Section):
     console: bool = True
-    """Print a line of metrics per step."""
+    """Show step progress and metrics on the console."""
+    progress: Literal["auto", "live", "lines"] = "auto"
+    """Console style: `live` is a progress display (step x/N, ETA, reward, length, tokens/s, time
+    split) redrawn in place; `lines` prints one line per step (CI logs, files); `auto` picks `live`
+    on a terminal and `lines` otherwise."""
     jsonl: bool = True
     """Write metrics.jsonl in the run directory."""
     tensorboard: bool = False
     """Write TensorBoard event files to <run dir>/tensorboard (pip install 'weir[tensorboard]')."""
+    wandb: bool = False
+    """Log step metrics to Weights & Biases under <run dir>/wandb (pip install 'weir[wandb]')."""
+    wandb_project: str = "weir"
+    """W&B project name; the run is named after run.name."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline` writes locally and never touches the network (upload later with `wandb sync`)."""
     dump_rollouts: bool = False
     """Write each step's samples (ids, text, rewards, log-probs, versions) to rollouts/step_N.jsonl."""
     trace: bool = True

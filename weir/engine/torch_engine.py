@@ -72,6 +72,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from weir.engine.base import Completion, SamplingParams
+from weir.telemetry.timeline import span
 
 __all__ = ["TorchEngine"]
 
@@ -833,7 +834,7 @@ class TorchEngine:
                         continue
                 t0 = time.perf_counter()
                 try:
-                    with torch.inference_mode():
+                    with torch.inference_mode(), span("decode", cat="engine", merge_gap_ms=2):
                         self._iteration()
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     self._fail_running(exc)

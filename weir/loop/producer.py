@@ -19,6 +19,7 @@ from weir.data.sample import Group, Status
 from weir.data.sources import PromptSource
 from weir.rollout.collect import failed_group
 from weir.rollout.single_turn import RolloutContext
+from weir.telemetry.timeline import async_span
 
 
 class RolloutProducer:
@@ -89,7 +90,8 @@ class RolloutProducer:
     async def _produce(self) -> None:
         in_flight: set[asyncio.Task] = set()
         while not self._stop.is_set():
-            ticket = await self.buffer.admit(self.version, self._stop)
+            with async_span("wait", "admission", cat="idle"):  # held back by the staleness bound
+                ticket = await self.buffer.admit(self.version, self._stop)
             if ticket is None:
                 break
             with self._lock:

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 from weir.config import Config, dump_config
 from weir.loop.checkpointing import checkpoint_step, restore_run_checkpoint, save_run_checkpoint
 from weir.loop.resume import StopSignal, cut_metrics, find_resume, say
-from weir.telemetry import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink, timeline
+from weir.telemetry import JsonlSink, MetricsLogger, TensorBoardSink, console_sink, timeline
 from weir.telemetry.rollouts import dump_rollouts
+from weir.telemetry.sinks import wandb_sink
 from weir.telemetry.timeline import Timeline, span
 
 if TYPE_CHECKING:
@@ -101,8 +102,11 @@ class Run:
                 sinks.append(JsonlSink(run_dir / "metrics.jsonl", append=append))
         if cfg.telemetry.tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if cfg.telemetry.wandb:
+            sinks.append(wandb_sink(cfg, run_dir))
         if cfg.telemetry.console:
-            sinks.append(ConsoleSink(cfg.run.steps if total_steps is None else total_steps))
+            total = cfg.run.steps if total_steps is None else total_steps
+            sinks.append(console_sink(total, cfg.telemetry.progress))
         run = cls(cfg=cfg, dir=run_dir, logger=MetricsLogger(sinks), history=history)
         run.resume_from, run.start_step, run.last_step = resume_from, start, start
         if cfg.telemetry.trace:
