@@ -67,6 +67,11 @@ def test_eval_of_a_run_directory_reproduces_its_final_eval(trained_run, tmp_path
     ):
         assert got[key] == pytest.approx(logged[key], abs=1e-9), key
     assert "eval/accuracy" in result.output and f"{logged['eval/accuracy']:.4f}" in result.output
+    # the final checkpoint holds the same weights: evaluating it gives the same numbers
+    ckpt = trained_run.dir / "checkpoints" / "step_00000003"
+    result = CliRunner().invoke(app, ["eval", str(ckpt), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["eval/accuracy"] == pytest.approx(logged["eval/accuracy"])
 
 
 @pytest.mark.slow
