@@ -311,3 +311,41 @@ def test_rollout_runs_n_episodes_and_reports_agent_metrics():
     prompt = TOK.decode(groups[0].samples[0].prompt_ids)
     assert prompt.startswith("<|system|>tools:\nmul(a, b): Multiply two integers.<|end|>")
     assert math.isfinite(metrics["agent/turns"])
+
+
+class GuessEnv:
+    """The docs/agents.md example: guess a number in `tries` tries; reward 1 for a hit."""
+
+    def __init__(self, tries: int = 3):
+        self.max_tries = tries
+
+    def reset(self, row):
+        self.secret, self.tries = int(row["answer"]), 0
+        return "Guess my number (1-100)."
+
+    def step(self, action):
+        self.tries += 1
+        digits = "".join(ch for ch in action if ch.isdigit())
+        guess = int(digits) if digits else -1
+        if guess == self.secret:
+            return None, 1.0, True, {}
+        hint = "higher" if guess < self.secret else "lower"
+        return hint, 0.0, self.tries >= self.max_tries, {}
+
+
+def test_a_configured_env_class_plays_with_env_rewards_only():
+    def never(sample, row):
+        raise AssertionError("agent.reward=env must not call the reward function")
+
+    agent = AgentConfig(env=f"{__name__}:GuessEnv", env_kwargs={"tries": 2}, reward="env")
+    engine = ScriptedEngine(["10", "42", "50"])
+    groups, metrics = collect_groups(make_ctx(engine, agent, reward=never), [ROW], rollout)
+    (s,) = groups[0].samples
+    assert s.reward == 1.0 and s.reward_info["env_rewards"] == [0.0, 1.0]
+    assert TOK.decode(s.response_ids) == "10<|end|><|tool|>higher<|end|><|assistant|>42<|end|>"
+    assert TOK.decode(s.prompt_ids) == "<|user|>Guess my number (1-100).<|end|><|assistant|>"
+
+    engine = ScriptedEngine(["10", "20", "30"])  # two wrong guesses: the env ends the episode
+    (g,), _ = collect_groups(make_ctx(engine, agent, reward=never), [ROW], rollout)
+    assert g.samples[0].reward == 0.0 and len(engine.returned) == 2
+    assert g.samples[0].status == Status.COMPLETED and g.samples[0].reward_info["stop"] == "done"
