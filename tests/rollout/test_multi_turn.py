@@ -349,3 +349,16 @@ def test_a_configured_env_class_plays_with_env_rewards_only():
     (g,), _ = collect_groups(make_ctx(engine, agent, reward=never), [ROW], rollout)
     assert g.samples[0].reward == 0.0 and len(engine.returned) == 2
     assert g.samples[0].status == Status.COMPLETED and g.samples[0].reward_info["stop"] == "done"
+
+
+def test_seeded_episodes_are_reproducible_and_independent_across_prompts():
+    agent = AgentConfig(max_turns=1)
+    seeds = {}
+    for prompt in ("1*2", "3*4", "1*2"):
+        engine = ScriptedEngine(["x"])
+        ctx = make_ctx(engine, agent, n=2).with_sampling(seed=5)
+        asyncio.run(rollout(ctx, {"prompt": prompt, "answer": "2"}))
+        seeds.setdefault(prompt, []).append(sorted(p.seed for p in engine.params))
+    assert seeds["1*2"][0] == seeds["1*2"][1]  # same prompt, same seed: same draws
+    assert len(set(seeds["1*2"][0])) == 2  # the group's episodes differ
+    assert not set(seeds["1*2"][0]) & set(seeds["3*4"][0])  # other prompts draw other numbers

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -125,7 +127,7 @@ async def run_episode(
                 ctx.sampling,
                 n=1,
                 max_new_tokens=min(ctx.sampling.max_new_tokens, budget),
-                seed=_turn_seed(ctx.sampling.seed, index, turn),
+                seed=_turn_seed(ctx.sampling.seed, prompt_ids, index, turn),
             )
             (c,) = await ctx.engine.generate(prompt_ids + ids, params)
             _append(ids, mask, logprobs, versions, c)
@@ -215,10 +217,13 @@ def _append(ids: list, mask: list, logprobs: list, versions: list, c: Completion
     versions += c.versions
 
 
-def _turn_seed(seed: int | None, index: int, turn: int) -> int | None:
+def _turn_seed(seed: int | None, prompt_ids: list[int], index: int, turn: int) -> int | None:
+    """A per-(prompt, episode, turn) seed, so that seeded episodes of different prompts (e.g. in
+    evaluation, where every row shares one seed) draw independent random numbers."""
     if seed is None:
         return None
-    return (seed * 1_000_003 + index * 10_007 + turn) % (2**31 - 1)
+    key = json.dumps([seed, index, turn, prompt_ids]).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") % (2**31 - 1)
 
 
 def _encode_prompt(
