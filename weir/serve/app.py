@@ -10,7 +10,8 @@ Endpoints (all need ``Authorization: Bearer <key>``; a session's key reaches onl
   log-probs, versions of each segment)
 - ``POST /v1/sessions/{id}/reward`` ``{"reward": r, "info": {...}}`` (``{id}`` may be ``current``:
   the session of the key that calls)
-- ``DELETE /v1/sessions/{id}``   (close: the key stops working for model calls)
+- ``DELETE /v1/sessions/{id}``   (end the session: the server forgets it and its key; read the
+  trajectory first)
 
 Calls with the admin key are served but not recorded. Errors use the OpenAI envelope
 ``{"error": {"message": ..., "type": ...}}``: 400 for an invalid request, 401 for a missing or
@@ -427,7 +428,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.delete("/v1/sessions/{session_id}")
     async def close(target: Session = Depends(owned)) -> dict:
-        target.close()
+        state.sessions.remove(target)
         return {"id": target.id, "closed": True}
 
     return app

@@ -57,6 +57,9 @@ def test_a_session_key_reaches_only_its_own_session(server):
     assert seg["response_ids"] == a.turns[0].response_ids
     assert _call(base + "/sessions/current/reward", {"reward": 0.5}, key=b.api_key)[0] == 200
     assert (a.reward, b.reward) == (None, 0.5)
+    assert _call(base + f"/sessions/{b.id}", key=b.api_key, method="DELETE")[0] == 200
+    assert server.sessions.get(b.id) is None and b.closed
+    assert _call(base + f"/sessions/{b.id}", key=b.api_key)[0] == 401
 
 
 def test_missing_unknown_and_closed_keys(server):
@@ -152,3 +155,20 @@ def test_unparsable_bodies_get_400(server):
         status, _ = _call(url + f"/sessions/{s.id}/reward", bad, key=s.api_key)
         assert status == 400
     assert _call(url + "/sessions/sess-nope", key=server.sessions.admin_key)[0] == 404
+
+
+def test_an_engine_failure_is_a_500_that_names_the_error_not_a_traceback(scripted):
+    engine, server = scripted
+    engine.replies = []  # the scripted engine fails: no reply queued
+    s = server.sessions.open()
+    status, err = _call(server.base_url + "/chat/completions", CHAT, key=s.api_key)
+    assert status == 500
+    assert err == {
+        "error": {
+            "message": "internal server error (IndexError)",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert s.turns == []
