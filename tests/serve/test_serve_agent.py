@@ -158,3 +158,22 @@ def test_failing_agents_give_failed_samples(engine, tokenizer):
 
     groups, _ = collect_groups(ctx, rows, agent_rollout(slow, timeout_s=0.2))
     assert all("timeout" in s.error for s in groups[0])
+
+
+def test_a_closed_engines_server_is_stopped_on_the_next_rollout(model, tokenizer):
+    from weir.engine.torch_engine import TorchEngine
+    from weir.serve.agent import server_for, stop_servers
+
+    first = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    old = server_for(first, tokenizer)
+    assert old.running
+    assert server_for(first, tokenizer) is old  # one server per engine
+    first.close()
+    second = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    try:
+        new = server_for(second, tokenizer)
+        assert new is not old and new.running and not old.running
+        assert openai.OpenAI(base_url=new.base_url, api_key=new.sessions.admin_key).models.list()
+    finally:
+        stop_servers()
+        second.close()

@@ -48,11 +48,23 @@ _servers_mu = threading.Lock()
 def server_for(engine: Any, tokenizer: Any, config: ServeConfig | None = None) -> Server:
     """The server in front of `engine` (started on first use, then shared by every rollout)."""
     with _servers_mu:
+        for key, (eng, srv) in list(_servers.items()):
+            if getattr(eng, "_closed", False):  # a finished run's TorchEngine: free its server
+                srv.stop()
+                del _servers[key]
         entry = _servers.get(id(engine))
         if entry is None or entry[0] is not engine:
             entry = (engine, Server(engine, tokenizer, config).start())
             _servers[id(engine)] = entry
         return entry[1]
+
+
+def stop_servers() -> None:
+    """Stop every server `agent_rollout` started (they are daemon threads; this frees them early)."""
+    with _servers_mu:
+        for _, srv in _servers.values():
+            srv.stop()
+        _servers.clear()
 
 
 def agent_rollout(

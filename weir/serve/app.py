@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -303,7 +304,7 @@ def create_app(state: ServerState) -> FastAPI:
     def caller(request: Request) -> Session | None:
         """The caller's session, or None for the admin key; 401 for anything else."""
         key = _bearer(request)
-        if key == state.sessions.admin_key:
+        if secrets.compare_digest(key.encode(), state.sessions.admin_key.encode()):
             return None
         session = state.sessions.by_key(key)
         if session is None:

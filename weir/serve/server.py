@@ -74,6 +74,10 @@ class Server:
         return f"http://{host}:{self.port}"
 
     @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def base_url(self) -> str:
         """What an OpenAI client takes as ``base_url``."""
         return self.url + "/v1"
