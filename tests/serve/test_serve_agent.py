@@ -177,3 +177,27 @@ def test_a_closed_engines_server_is_stopped_on_the_next_rollout(model, tokenizer
     finally:
         stop_servers()
         second.close()
+
+
+def test_a_seeded_rollout_is_reproducible_and_its_sessions_differ(engine, tokenizer):
+    def two_turns(base_url, api_key, row):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        r = client.chat.completions.create(model="any", messages=messages)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "again"},
+        ]
+        client.chat.completions.create(model="any", messages=messages)
+        return 0.0
+
+    ctx = _ctx(engine, tokenizer, n=3, temperature=1.0, max_new_tokens=6)
+    ctx = ctx.with_sampling(seed=5)
+    rows = [{"prompt": "1+2=", "_index": 0}, {"prompt": "1+2=", "_index": 1}]
+    runs = []
+    for _ in range(2):
+        groups, _ = collect_groups(ctx, rows, agent_rollout(two_turns))
+        runs.append([[s.response_ids for s in g] for g in groups])
+    assert runs[0] == runs[1]
+    flat = [ids for g in runs[0] for ids in g]
+    assert len({tuple(ids) for ids in flat}) == len(flat)  # 6 sessions, 6 different episodes

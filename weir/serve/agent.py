@@ -11,7 +11,10 @@ For each row the rollout opens `n` = rollout.n sessions on a server in front of 
 (started once per engine, on 127.0.0.1), runs the agent once per session (a sync agent in a worker
 thread, an async one on the loop), and returns the `Group` of the sessions' samples. The session's
 sampling is forced to the run's (temperature, top-p, top-k, rollout.max_new_tokens as a per-call
-cap) so that the recorded log-probs follow the trainer's convention whatever the agent asks for.
+cap) so that the recorded log-probs follow the trainer's convention whatever the agent asks for;
+a seeded rollout (evaluation) seeds each session and call, so its samples are reproducible when
+the agent is. The server's limits come from `config=`, else ``ctx.extras["serve"]`` (a
+`ServeConfig`), else the defaults.
 
 Reward, first that applies: set on the session (HTTP or `Session.set_reward`), the number the agent
 returns, else the run's reward function on the sample. An agent that raises or times out gives a
@@ -80,11 +83,15 @@ def agent_rollout(
         raise ValueError(f"segments must be 'all' or 'last', got {segments!r}")
 
     async def rollout(ctx: RolloutContext, row: dict) -> Group:
-        server = server_for(ctx.engine, ctx.tokenizer, config)
+        server = server_for(ctx.engine, ctx.tokenizer, config or ctx.extras.get("serve"))
         loop = asyncio.get_running_loop()
-        per_call = replace(ctx.sampling, n=1, seed=None)
         sessions = [
-            server.sessions.open(row, metadata={"session_index": i}, sampling=per_call, loop=loop)
+            server.sessions.open(
+                row,
+                metadata={"session_index": i},
+                sampling=replace(ctx.sampling, n=1, seed=_session_seed(ctx.sampling.seed, row, i)),
+                loop=loop,
+            )
             for i in range(ctx.sampling.n)
         ]
         try:
@@ -100,6 +107,16 @@ def agent_rollout(
         return Group(samples=samples, row=row)
 
     return rollout
+
+
+def _session_seed(seed: int | None, row: dict, index: int) -> int | None:
+    """A seeded rollout (e.g. evaluation) gives each (row, session) its own seed; the server
+    derives each call's seed from it and the call's position in the session."""
+    if seed is None:
+        return None
+    row_index = row.get("_index")
+    row_index = row_index if isinstance(row_index, int) else 0
+    return (seed * 1_000_003 + row_index * 7_919 + index) % 2**63
 
 
 def _in_thread(fn: Callable, *args: Any) -> asyncio.Future:

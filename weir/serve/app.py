@@ -180,6 +180,8 @@ class ServerState:
                 forced.top_k,
             )
             params.max_new_tokens = min(limit, forced.max_new_tokens)
+            if forced.seed is not None:  # one seed per call: the k-th call of a seeded session
+                params.seed = (forced.seed * 1_000_003 + len(session.turns)) % 2**63
         return params
 
     async def generate(
