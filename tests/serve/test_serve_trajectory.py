@@ -95,3 +95,39 @@ def test_cut_at_stop_keeps_the_fewest_tokens_containing_the_first_stop(text, sto
     first_k = next(k for k in range(1, len(text) + 1) if any(s in text[:k] for s in stops))
     start = min(text.find(s) for s in stops if s in text[:first_k])
     assert (keep, before) == (first_k, text[:start])
+
+
+ASCII = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(ASCII, st.booleans(), st.sampled_from(["user", "tool"]), ASCII),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_linked_chat_prompts_equal_a_fresh_tokenization_of_the_whole_conversation(tokenizer, turns):
+    """Whatever the model says (cut by length or not) and whoever answers (user or tool), each
+    linked prompt is the whole conversation so far, tokenized in one go."""
+    from weir.serve.chat import ChatFormatter
+
+    eos = tokenizer.eos_token_id
+    fmt = ChatFormatter(tokenizer, [eos])
+    session = SessionManager().open()
+    messages = [{"role": "user", "content": "start"}]
+    for reply, stopped, role, answer in turns:
+        prompt = fmt.prompt(messages, None, session.last_turn)
+        fresh = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert prompt.ids == tokenizer(fresh, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + ([eos] if stopped else [])
+        turn = Turn(
+            prompt.ids, ids, [-1.0] * len(ids), [0] * len(ids), "stop" if stopped else "length"
+        )
+        turn.messages = [*messages, {"role": "assistant", "content": reply}]
+        turn.output = {"tools": None}
+        session.record(turn)
+        messages = [*turn.messages, {"role": role, "content": answer}]
+    assert session.num_segments == 1
+    assert [t.link for t in session.turns][1:] == ["extend"] * (len(turns) - 1)
