@@ -172,3 +172,20 @@ def test_an_engine_failure_is_a_500_that_names_the_error_not_a_traceback(scripte
         }
     }
     assert s.turns == []
+
+
+def test_messages_the_chat_template_rejects_get_400(engine, tokenizer):
+    import copy
+
+    strict_tok = copy.deepcopy(tokenizer)
+    strict_tok.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('conversations must start with a user message') }}{% endif %}"
+        + tokenizer.chat_template
+    )
+    with Server(engine, strict_tok) as srv:
+        s = srv.sessions.open()
+        body = {"model": "m", "messages": [{"role": "assistant", "content": "hi"}]}
+        status, err = _call(srv.base_url + "/chat/completions", body, key=s.api_key)
+    assert status == 400
+    assert "conversations must start with a user message" in err["error"]["message"]

@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 
 from weir.config.schema import ServeConfig
 from weir.engine.base import Completion, Engine, SamplingParams
@@ -352,7 +353,7 @@ def create_app(state: ServerState) -> FastAPI:
             last = session.last_turn if session is not None else None
             try:
                 prompt = state.formatter.prompt(messages, tools, last)
-            except Exception as err:  # jinja errors on messages the template cannot render
+            except (TemplateError, ValueError) as err:  # messages the template cannot render
                 raise ApiError(
                     400, f"the chat template cannot render these messages: {err}"
                 ) from None
