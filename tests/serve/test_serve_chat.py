@@ -172,3 +172,26 @@ def test_completions_endpoint_links_text_continuations(server, tokenizer):
 def test_models_endpoint(server):
     session = server.sessions.open()
     assert [m.id for m in _client(session).models.list().data] == ["tiny"]
+
+
+def test_each_turn_records_the_weight_version_that_sampled_it(server, engine):
+    session = server.sessions.open()
+    client = _client(session)
+    messages = [{"role": "user", "content": "v"}]
+    before = engine.version
+    try:
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        engine.update_weights_sync([], version=before + 5)  # new version, same weights
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "w"},
+        ]
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    finally:
+        engine.update_weights_sync([], version=before)
+    t1, t2 = session.turns
+    sample = session.to_sample()
+    added = len(t2.prompt_ids) - len(t1.context)
+    assert sample.versions == (
+        [before] * len(t1.response_ids) + [-1] * added + [before + 5] * len(t2.response_ids)
+    )
