@@ -57,6 +57,8 @@ def test_rows_are_correct_deterministic_and_splits_disjoint():
         a, b = r["prompt"].split("*")
         assert len(a) == 3 and len(b) == 2 and r["answer"] == str(int(a) * int(b))
     assert len({r["prompt"] for r in train}) == 300
+    small = {int(r["prompt"].split("*")[1]) for r in make_rows("train", 200, 0, digits=[3, 1])}
+    assert small == set(range(2, 10))  # x0 and x1 need no calculator
     assert get_task("calculator").reward == "exact_match"
 
 

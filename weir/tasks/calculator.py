@@ -67,7 +67,8 @@ def _eval(node: ast.AST) -> int | float:
 
 
 def _digits_range(d: int) -> tuple[int, int]:
-    return (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
+    """Operands of `d` digits; one-digit operands are 2..9 (x0 and x1 need no calculator)."""
+    return (2 if d == 1 else 10 ** (d - 1)), 10**d - 1
 
 
 def make_rows(
