@@ -98,10 +98,10 @@ def _runs(mask):
 
 
 async def _async_agent(base_url, api_key, row):
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    await client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": row["prompt"]}]
-    )
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        await client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": row["prompt"]}]
+        )
     return 2.5
 
 
