@@ -362,3 +362,37 @@ def test_seeded_episodes_are_reproducible_and_independent_across_prompts():
     assert seeds["1*2"][0] == seeds["1*2"][1]  # same prompt, same seed: same draws
     assert len(set(seeds["1*2"][0])) == 2  # the group's episodes differ
     assert not set(seeds["1*2"][0]) & set(seeds["3*4"][0])  # other prompts draw other numbers
+
+
+def test_engine_errors_are_rollout_errors_not_environment_errors():
+    class DeadEngine(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            raise RuntimeError("engine down")
+
+    agent = AgentConfig()
+    groups, metrics = collect_groups(make_ctx(DeadEngine(["x"]), agent), [ROW], rollout)
+    (s,) = groups[0].samples
+    assert s.status == Status.FAILED and s.error.startswith("RolloutError: RuntimeError")
+    assert metrics["rollout/failed"] == 1.0
+
+
+def test_bad_reset_results_and_counters_fail_the_sample():
+    class BadReset:
+        def reset(self, row):
+            return 42
+
+        def step(self, action):
+            return None, 0.0, True, {}
+
+    class BadCounter(BadReset):
+        def reset(self, row):
+            return None
+
+        def step(self, action):
+            return None, 0.0, True, {"tool_errors": "two"}
+
+    for env, fragment in [(BadReset(), "env.reset must return"), (BadCounter(), "tool_errors")]:
+        agent = AgentConfig()
+        s = asyncio.run(run_episode(make_ctx(ScriptedEngine(["x"]), agent), ROW, env, agent))
+        assert s.status == Status.FAILED and s.error.startswith("EnvError: TypeError")
+        assert fragment in s.error

@@ -34,7 +34,7 @@ from weir.data.prompts import PromptTooLong, prompt_messages
 from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
-from weir.rollout.env import ToolEnv, as_step_result, maybe_await
+from weir.rollout.env import StepResult, ToolEnv, as_step_result, maybe_await
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
 
@@ -116,7 +116,7 @@ async def run_episode(
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
     prompt_ids: list[int] = []
     try:
-        first = await maybe_await(env.reset(row))
+        first = await _env_reset(env, row)
         prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
         for turn in range(agent.max_turns):
             budget = agent.max_tokens - len(ids)
@@ -137,10 +137,10 @@ async def run_episode(
                 status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
                 stop = "abort" if c.finish_reason == "abort" else "length"
                 break
-            step = as_step_result(await maybe_await(env.step(final_text)))
+            step = await _env_step(env, final_text)
             env_rewards.append(step.reward)
             for k in COUNTERS:
-                counts[k] += int(step.info.get(k, 0) or 0)
+                counts[k] += step.info[k]
             if step.done or step.observation is None:
                 stop = "done"
                 break
@@ -156,12 +156,9 @@ async def run_episode(
             logprobs += [0.0] * len(obs_ids)
             versions += [-1] * len(obs_ids)
             turns.append({"role": "observation", "tokens": len(obs_ids)})
-    except asyncio.CancelledError:
-        raise
-    except PromptTooLong:
-        raise
-    except Exception as e:  # the environment (or its tools) must not end the run
-        status, error, stop = Status.FAILED, f"EnvError: {type(e).__name__}: {e}", "error"
+    except _EnvFailure as e:  # the environment must not end the run; engine errors propagate
+        cause = e.__cause__
+        status, error, stop = Status.FAILED, f"EnvError: {type(cause).__name__}: {cause}", "error"
     finally:
         close = getattr(env, "close", None)
         if callable(close):
@@ -192,6 +189,43 @@ async def run_episode(
         {"env_rewards": env_rewards, "turns": model_turns, "stop": stop, **counts}
     )
     return sample
+
+
+class _EnvFailure(Exception):
+    """An exception raised by the environment's reset or step (its __cause__)."""
+
+
+async def _env_reset(env: Any, row: dict) -> Any:
+    """``env.reset(row)`` (sync or async), checked; failures become `_EnvFailure`."""
+    try:
+        first = await maybe_await(env.reset(row))
+        if first is not None and not isinstance(first, (str, list)):
+            raise TypeError(
+                f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
+            )
+        return first
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _EnvFailure(str(e)) from e
+
+
+async def _env_step(env: Any, action: str) -> StepResult:
+    """``env.step(action)`` (sync or async), checked, with its counters read as ints. Any
+    exception or a wrong result becomes `_EnvFailure`, which fails the sample (engine errors, in
+    contrast, propagate to the collector as rollout errors)."""
+    try:
+        step = as_step_result(await maybe_await(env.step(action)))
+        for k in COUNTERS:
+            v = step.info.get(k) or 0
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"env.step info[{k!r}] must be a number, got {v!r}")
+            step.info[k] = int(v)
+        return step
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _EnvFailure(str(e)) from e
 
 
 async def _score(
