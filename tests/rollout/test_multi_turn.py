@@ -396,3 +396,29 @@ def test_bad_reset_results_and_counters_fail_the_sample():
         s = asyncio.run(run_episode(make_ctx(ScriptedEngine(["x"]), agent), ROW, env, agent))
         assert s.status == Status.FAILED and s.error.startswith("EnvError: TypeError")
         assert fragment in s.error
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_agent_rollout_trains_in_both_loops_from_a_config(tmp_path, mode):
+    import weir
+
+    cfg = {
+        "run": {"steps": 2, "eval_every": 0, "save_model": False},
+        "model": {"path": "tiny:nano", "threads": 1},
+        "data": {"task": "calculator", "task_options": {"digits": [2, 1]}, "eval_size": 4},
+        "rollout": {
+            "function": "weir.rollout.multi_turn:rollout",
+            "n": 2,
+            "batch_prompts": 2,
+            "max_new_tokens": 6,
+        },
+        "agent": {"tools": ["weir.tasks.calculator:calc"], "tool_format": "tag", "max_turns": 2},
+        "loop": {"mode": mode},
+        "telemetry": {"console": False},
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"])
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 2
+    for h in steps:
+        assert h["agent/turns_mean"] >= 1.0 and "agent/tool_errors" in h
+        assert h["rollout/failed"] == 0.0
