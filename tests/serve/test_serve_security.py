@@ -85,6 +85,20 @@ def test_admin_key_opens_sessions_and_session_keys_cannot(server):
     s = server.sessions.get(opened["id"])
     assert s.row == {"q": 3} and s.api_key == opened["api_key"]
     assert _call(base + "/sessions", {}, key=opened["api_key"])[0] == 403
+    status, forced = _call(
+        base + "/sessions",
+        {"sampling": {"temperature": 0.0, "max_tokens": 2}},
+        key=server.sessions.admin_key,
+    )
+    client = _client(base, forced["api_key"])
+    r = client.chat.completions.create(**{**CHAT, "max_tokens": 10, "temperature": 1.5})
+    assert r.usage.completion_tokens <= 2
+    f = server.sessions.get(forced["id"])
+    assert (f.sampling.temperature, f.sampling.max_new_tokens) == (0.0, 2)
+    assert (
+        _call(base + "/sessions", {"sampling": {"top_p": 0}}, key=server.sessions.admin_key)[0]
+        == 400
+    )
     # Admin calls are served but recorded nowhere (and may ask for several completions).
     r = _client(base, server.sessions.admin_key).chat.completions.create(n=2, **CHAT)
     assert len(r.choices) == 2 and s.turns == []

@@ -5,7 +5,8 @@ Endpoints (all need ``Authorization: Bearer <key>``; a session's key reaches onl
 - ``GET  /v1/models``
 - ``POST /v1/chat/completions``  (``tools`` -> ``tool_calls``; ``logprobs``; ``stream``)
 - ``POST /v1/completions``       (``logprobs``; ``stream``)
-- ``POST /v1/sessions``          (admin key: open a session; returns its id and key)
+- ``POST /v1/sessions``          (admin key: open a session, optionally with the sampling it
+  enforces; returns its id and key)
 - ``GET  /v1/sessions/{id}``     (summary) and ``GET /v1/sessions/{id}/trajectory`` (token ids, masks,
   log-probs, versions of each segment)
 - ``POST /v1/sessions/{id}/reward`` ``{"reward": r, "info": {...}}`` (``{id}`` may be ``current``:
@@ -405,7 +406,17 @@ def create_app(state: ServerState) -> FastAPI:
     async def open_session(req: OpenSessionRequest, session: Session | None = Depends(caller)):
         if session is not None:
             raise ApiError(403, "only the admin key may open sessions", "permission_error")
-        s = state.sessions.open(req.row, metadata=req.metadata)
+        forced = None
+        if req.sampling is not None:
+            sp = req.sampling
+            forced = SamplingParams(
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                max_new_tokens=sp.max_tokens,
+                seed=sp.seed,
+            )
+        s = state.sessions.open(req.row, metadata=req.metadata, sampling=forced)
         return {"id": s.id, "api_key": s.api_key, "base_url": s.base_url}
 
     @app.get("/v1/sessions/{session_id}")

@@ -150,11 +150,24 @@ class RewardRequest(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
 
 
+class SessionSampling(BaseModel):
+    """Sampling a session enforces on every call, whatever the agent asks (see `SessionManager.open`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(1024, ge=0)
+    seed: int | None = None
+
+
 class OpenSessionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     row: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling: SessionSampling | None = None
 
 
 def error_body(
