@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import textwrap
 
 import weir
@@ -31,6 +32,7 @@ rollout = agent_rollout(agent)
 
 
 def test_agent_rollout_trains_through_the_sync_loop(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "my_openai_agent", raising=False)
     (tmp_path / "my_openai_agent.py").write_text(textwrap.dedent(AGENT_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = {
@@ -56,3 +58,22 @@ def test_agent_rollout_trains_through_the_sync_loop(tmp_path, monkeypatch):
     for k, h in enumerate(steps):
         assert h["reward/mean"] == statistics.mean(rewards[2 + 4 * k : 6 + 4 * k])
         assert h.get("rollout/failed", 0) == 0
+
+
+def test_agent_rollout_runs_in_the_async_loop(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "my_openai_agent", raising=False)
+    (tmp_path / "my_openai_agent.py").write_text(textwrap.dedent(AGENT_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = {
+        "run": {"steps": 2, "eval_every": 0, "save_model": False, "dir": str(tmp_path / "run")},
+        "model": {"path": "tiny:nano", "threads": 1},
+        "data": {"task": "arithmetic", "eval_size": 2},
+        "rollout": {"function": "my_openai_agent:rollout", "n": 2, "batch_prompts": 2},
+        "loop": {"mode": "async"},
+        "telemetry": {"console": False},
+    }
+    result = weir.run(cfg)
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 2
+    assert all(h.get("rollout/failed", 0) == 0 for h in steps)
+    assert all(h["reward/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0) for h in steps)
