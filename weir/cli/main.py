@@ -1,4 +1,4 @@
-"""The `weir` command line: train, sft, eval, export, report, demo, config-docs."""
+"""The `weir` command line: train, sft, eval, export, report, demo, serve, config-docs."""
 
 from __future__ import annotations
 
@@ -212,7 +212,9 @@ def report(
 @app.command()
 @_user_errors
 def demo(
-    task: Annotated[str, typer.Option(help="Demo task.")] = "arithmetic",
+    task: Annotated[
+        str, typer.Option(help="Demo task: arithmetic, or calculator (a tool-using agent).")
+    ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),
     overrides: Overrides = None,
 ) -> None:
@@ -220,6 +222,33 @@ def demo(
     from weir.loop.demo import run_demo
 
     run_demo(task, out, overrides or [], console=console)
+
+
+@app.command()
+@_user_errors
+def serve(
+    model: Annotated[
+        str, typer.Argument(help="HF model directory, hub name, or tiny:<nano|tiny|small>.")
+    ],
+    overrides: Overrides = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML config whose serve/engine/model sections apply.")
+    ] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(envvar="WEIR_ADMIN_KEY", help="Key that opens sessions (random if unset)."),
+    ] = None,
+) -> None:
+    """Serve a model behind an OpenAI-compatible API that records sessions (see docs/serve.md)."""
+    cfg = _load(config, [f"model.path={model}", *(overrides or [])])
+    from weir.serve.run import run_server
+
+    def started(server) -> None:
+        console.print(f"serving {server.state.model_name} at {server.base_url}", soft_wrap=True)
+        console.print(f"admin key: {server.sessions.admin_key}", soft_wrap=True)
+        console.print("press Ctrl-C to stop")
+
+    run_server(cfg, admin_key=admin_key, on_start=started)
 
 
 @app.command("config-docs")

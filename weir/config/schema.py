@@ -194,6 +194,29 @@ class EngineConfig(Section):
     """Colocated: the built-in engine runs on the trainer's own module (no weight copy)."""
 
 
+class ServeConfig(Section):
+    """The OpenAI-compatible server (`weir serve`, `weir.serve`); see docs/serve.md."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on. Only this machine can connect unless you set e.g. 0.0.0.0."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port; 0 picks a free one."""
+    model_name: str | None = None
+    """Model id reported by /v1/models and in responses; default: the model path's last part."""
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    """Larger request bodies are refused with 413."""
+    max_messages: int = Field(256, ge=1)
+    """Most messages in one chat request (400 beyond)."""
+    max_tokens: int = Field(1024, ge=1)
+    """Largest max_tokens a request may ask for (400 beyond)."""
+    default_max_tokens: int = Field(256, ge=1)
+    """max_tokens of a chat request that sets none (capped by max_tokens)."""
+    max_n: int = Field(8, ge=1)
+    """Most completions per request (requests in a recorded session must use n=1)."""
+    tool_format: Literal["hermes", "tag"] = "hermes"
+    """How the model writes tool calls (see agent.tool_format); parsed into `tool_calls`."""
+
+
 class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0.0)
     """0 is greedy."""
@@ -263,6 +286,35 @@ class TelemetryConfig(Section):
     """Write trace.json (Chrome trace: generate, reward, train, sync, wait, eval spans) for Perfetto."""
 
 
+class AgentConfig(Section):
+    """Multi-turn episodes (`rollout.function: weir.rollout.multi_turn:rollout`); see docs/agents.md."""
+
+    env: str | None = None
+    """Dotted path to an environment class or factory (`reset(row)`, `step(action)`); null: the
+    tools environment, which runs the tool calls in each model turn with `agent.tools`."""
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the environment factory."""
+    tools: list[str] = Field(default_factory=list)
+    """Tools of the tools environment: dotted paths `pkg.mod:fn` (or built-in tool names)."""
+    tool_format: Literal["hermes", "tag"] = "hermes"
+    """How the model writes calls: `hermes` `<tool_call>{"name":..,"arguments":{..}}</tool_call>`,
+    or `tag` `<name>input</name>` (e.g. `<calc>12*34</calc>`), easy for tiny models."""
+    show_tools: bool = True
+    """Pass the tools' JSON schemas to the chat template (`tools=`) when building the prompt."""
+    max_turns: int = Field(4, ge=1)
+    """Most model turns per episode."""
+    max_tokens: int = Field(256, ge=1)
+    """Most response tokens per episode (model turns and observations); each turn also obeys
+    rollout.max_new_tokens."""
+    tool_timeout_s: float | None = Field(10.0, gt=0)
+    """A tool call taking longer becomes an error observation."""
+    reward: Literal["task", "env", "sum"] = "sum"
+    """Sample reward: the reward function's (`task`), the discounted sum of the environment's
+    per-step rewards (`env`), or both added (`sum`)."""
+    turn_discount: float = Field(1.0, ge=0.0, le=1.0)
+    """gamma in env_return = sum_t gamma^t r_t over the environment's per-step rewards."""
+
+
 class Config(Section):
     """The whole run. Load from YAML with `load_config`; override with dotted keys."""
 
@@ -274,10 +326,12 @@ class Config(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

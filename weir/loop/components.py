@@ -20,6 +20,7 @@ from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
 from weir.engine.torch_engine import TorchEngine
 from weir.plugins import resolve
+from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
 from weir.rollout.single_turn import RolloutContext
 from weir.tasks import get_task
@@ -99,6 +100,8 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
     spec = (
         reward or cfg.reward.function or (get_task(cfg.data.task).reward if cfg.data.task else None)
     )
+    if spec is None and cfg.agent.reward == "env":
+        return _no_task_reward
     if spec is None:
         raise ValueError(
             "no reward: set reward.function (a built-in name or a dotted path) or data.task"
@@ -107,6 +110,11 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
     if cfg.data.answer_key != "answer" and (isinstance(spec, str) and spec in REWARDS):
         kwargs.setdefault("answer_key", cfg.data.answer_key)
     return get_reward(spec, **kwargs)
+
+
+def _no_task_reward(sample: Any, row: dict) -> float:
+    """The task reward when only the environment rewards (agent.reward: env); never called."""
+    return 0.0
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
@@ -145,6 +153,7 @@ def make_contexts(
         reward_fn=reward_function(cfg, reward),
         encode=make_encoder(cfg, tokenizer),
         reward_timeout_s=cfg.reward.timeout_s,
+        extras=agent_extras(cfg),
     )
     eval_ctx = train_ctx.with_sampling(
         n=e.n,

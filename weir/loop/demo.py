@@ -1,4 +1,7 @@
-"""`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after."""
+"""`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
+
+`--task` picks examples/<task>.yaml: `arithmetic` (default) or `calculator` (a tool-using agent).
+"""
 
 from __future__ import annotations
 
@@ -39,7 +42,9 @@ def run_demo(
     sft_model = run_sft(sft_cfg)
     t_sft = time.perf_counter() - t0
     console.rule("2/2 reinforcement learning (GRPO)")
-    rl_cfg = load_config(path, [*overrides, f"run.dir={out / 'rl'}", f"model.path={sft_model}"])
+    rl_cfg = load_config(  # a demo starts fresh, even where an older demo left checkpoints
+        path, ["run.resume=never", *overrides, f"run.dir={out / 'rl'}", f"model.path={sft_model}"]
+    )
     result = run_sync(rl_cfg)
     total = time.perf_counter() - t0
     accs = [e["eval/accuracy"] for e in result.evals]
@@ -54,7 +59,13 @@ def run_demo(
         "total_seconds": total,
         "rl_steps": rl_cfg.run.steps,
     }
-    table = Table(title=f"held-out greedy accuracy ({int(summary['eval_prompts'])} problems)")
+    calls = [h["agent/tool_calls_mean"] for h in result.history if "agent/tool_calls_mean" in h]
+    if calls:  # a tool-using agent: how often it called a tool per episode, first and last steps
+        summary["tool_calls_per_episode_first3"] = sum(calls[:3]) / len(calls[:3])
+        summary["tool_calls_per_episode_last3"] = sum(calls[-3:]) / len(calls[-3:])
+    temp = rl_cfg.eval.temperature
+    how = "greedy" if temp == 0 else f"sampled (T={temp:g}, {rl_cfg.eval.n} per problem)"
+    table = Table(title=f"held-out {how} accuracy ({int(summary['eval_prompts'])} problems)")
     for col in ("stage", "accuracy", "minutes"):
         table.add_column(col)
     table.add_row("after SFT", f"{summary['accuracy_after_sft']:.1%}", f"{t_sft / 60:.1f}")
@@ -64,6 +75,11 @@ def run_demo(
         f"{(total - t_sft) / 60:.1f}",
     )
     console.print(table)
+    if calls:
+        console.print(
+            f"tool calls per episode: {summary['tool_calls_per_episode_first3']:.2f} (first 3 steps)"
+            f" -> {summary['tool_calls_per_episode_last3']:.2f} (last 3 steps)"
+        )
     console.print(
         f"total {total / 60:.1f} min; trained model: {result.model_dir}; metrics: {result.dir / 'metrics.jsonl'}"
     )

@@ -133,6 +133,14 @@ def summarize(groups: list[Group]) -> dict[str, float]:
         "rollout/samples": float(len(samples)),
         "rollout/gen_tokens": float(sum(lengths)),
     }
+    # Per-sample counters a rollout function reports (e.g. agent/tool_errors): the step's sum and mean.
+    extra: dict[str, list[float]] = {}
+    for s in samples:
+        for k, v in (s.metadata.get("metrics") or {}).items():
+            extra.setdefault(k, []).append(float(v))
+    for k, vs in extra.items():
+        out[k] = sum(vs)
+        out[f"{k}_mean"] = statistics.fmean(vs)
     return out
 
 

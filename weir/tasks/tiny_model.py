@@ -16,12 +16,38 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
 # `<|role|>content<|end|>` per message; the assistant turn opens with `<|assistant|>` and the model
-# closes it with `<|end|>`, which is therefore the EOS token.
+# closes it with `<|end|>`, which is therefore the EOS token. Tools (`tools=`, OpenAI function schemas)
+# are listed compactly in the system turn as `name(arg, ...): description`, one per line. An
+# assistant message's `tool_calls` (OpenAI `{"function": {...}}` or plain `{"name", "arguments"}`)
+# follow its content in the Hermes format `<tool_call>\n{json}\n</tool_call>`, exactly as
+# `weir.rollout.tool_calls.render_tool_calls` writes them; a tool result is `<|tool|>...<|end|>`.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{%- if sys is not none or tools %}<|system|>"
+    "{%- if sys is not none %}{{ sys }}{% endif %}"
+    "{%- if tools %}{% if sys %}{{ '\\n' }}{% endif %}tools:"
+    "{%- for t in tools %}{% set f = t['function'] if t['function'] is defined else t %}"
+    "{{ '\\n' }}{{ f['name'] }}({{ (f['parameters']['properties'] | list if f['parameters'] is defined"
+    " and f['parameters']['properties'] is defined else []) | join(', ') }})"
+    "{%- if f['description'] %}: {{ f['description'] }}{% endif %}"
+    "{%- endfor %}{% endif %}<|end|>"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and message['role'] == 'system') %}"
+    "<|{{ message['role'] }}|>"
+    "{%- if message['content'] is not none %}{{ message['content'] }}{% endif %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined"
+    " and message['tool_calls'] %}"
+    "{%- for tc in message['tool_calls'] %}"
+    "{%- set f = tc['function'] if tc['function'] is defined else tc %}"
+    "{%- if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": {{ f[\'name\'] | tojson }}, "arguments": '
+    "{%- if f['arguments'] is string %} {{ f['arguments'] }}"
+    "{%- else %} {{ f['arguments'] | tojson }}{% endif %}}\n</tool_call>"
+    "{%- endfor %}{% endif %}<|end|>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 SIZES: dict[str, dict[str, int]] = {

@@ -1,0 +1,305 @@
+"""The multi-turn rollout function: model turns interleaved with environment observations.
+
+One episode (one `Sample`)::
+
+    prompt_ids = template(env.reset(row) or the row's prompt, tools=...)
+    repeat until done, agent.max_turns model turns, or agent.max_tokens response tokens:
+        model turn   = engine.generate(prompt_ids + response_ids)    -> loss_mask 1, engine logprobs/versions
+        obs, r, done = env.step(decoded model turn)
+        observation  = encode(tool-turn prefix + obs + suffix)       -> loss_mask 0, logprob 0, version -1
+
+The trajectory is token-exact: `response_ids` is the concatenation of the ids the engine returned
+and the observation ids appended, in order; nothing trained on is decoded and re-encoded.
+The prefix and suffix around an observation come from the tokenizer's chat template (the text
+between the assistant's end-of-turn token and a tool message's content, and from its end up to the
+next assistant header), so the model sees the same layout it saw in SFT.
+
+Reward: ``task`` = the reward function on the sample (``sample.response_text`` is the final
+model turn; the whole decoded transcript is in ``metadata["transcript"]``); ``env_return`` =
+``sum_t gamma^t r_t`` over the environment's step rewards; the sample's reward is `task`,
+`env_return` or their sum per ``agent.reward``. Both parts and the per-step rewards are in
+``reward_info``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+from weir.data.prompts import PromptTooLong, prompt_messages
+from weir.data.sample import Group, Sample, Status
+from weir.engine.base import Completion
+from weir.plugins import resolve
+from weir.rollout.env import StepResult, ToolEnv, as_step_result, maybe_await
+from weir.rollout.rewards import score
+from weir.rollout.single_turn import RolloutContext
+
+__all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
+
+COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
+_MARK_A, _MARK_T = "\x00weir-assistant\x00", "\x00weir-tool\x00"
+
+
+@dataclass(frozen=True)
+class ObservationCodec:
+    """Encodes an observation as the ids of a tool turn: ``prefix + text + suffix``, encoded once."""
+
+    tokenizer: Any
+    prefix: str
+    suffix: str
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(self.prefix + text + self.suffix, add_special_tokens=False)
+        return [int(i) for i in ids["input_ids"]]
+
+
+def observation_codec(tokenizer: Any, role: str = "tool") -> ObservationCodec:
+    """The tool-turn wrapper of `tokenizer`'s chat template (a plain newline without a template).
+
+    Rendered as ``[user, assistant, tool]`` with the generation prompt: the prefix is the text
+    between the assistant's end-of-turn token and the tool content, the suffix what follows it.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return ObservationCodec(tokenizer, "\n", "\n")
+    chat = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": _MARK_A},
+        {"role": role, "content": _MARK_T},
+    ]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    start = text.index(_MARK_A) + len(_MARK_A)
+    eos = tokenizer.eos_token or ""
+    if eos and text.startswith(eos, start):
+        start += len(eos)
+    mid = text.index(_MARK_T)
+    return ObservationCodec(tokenizer, text[start:mid], text[mid + len(_MARK_T) :])
+
+
+def make_env(agent: Any) -> Any:
+    """A fresh environment for one episode from the `agent` config section."""
+    if agent.env is None:
+        return ToolEnv(list(agent.tools), agent.tool_format, timeout_s=agent.tool_timeout_s)
+    factory = resolve(agent.env, {}, "agent.env")
+    return factory(**agent.env_kwargs)
+
+
+async def rollout(ctx: RolloutContext, row: dict) -> Group:
+    """`ctx.sampling.n` independent episodes on `row` (the `agent` config is ``ctx.extras["agent"]``)."""
+    agent = ctx.extras.get("agent")
+    if agent is None:
+        from weir.config.schema import AgentConfig
+
+        agent = AgentConfig()
+    samples = await asyncio.gather(
+        *(run_episode(ctx, row, make_env(agent), agent, index=i) for i in range(ctx.sampling.n))
+    )
+    return Group(samples=list(samples), row=row)
+
+
+async def run_episode(
+    ctx: RolloutContext, row: dict, env: Any, agent: Any, index: int = 0
+) -> Sample:
+    """Play one episode of `env` with the engine; returns the scored sample (never raises for
+    environment errors: those fail the sample with ``error = "EnvError: ..."``)."""
+    codec = ctx.extras.get("observation_codec") or observation_codec(ctx.tokenizer)
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    turns: list[dict[str, Any]] = []
+    env_rewards: list[float] = []
+    counts = dict.fromkeys(COUNTERS, 0)
+    status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
+    prompt_ids: list[int] = []
+    try:
+        first = await _env_reset(env, row)
+        prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
+        for turn in range(agent.max_turns):
+            budget = agent.max_tokens - len(ids)
+            if budget <= 0:
+                status, stop = Status.TRUNCATED, "max_tokens"
+                break
+            params = replace(
+                ctx.sampling,
+                n=1,
+                max_new_tokens=min(ctx.sampling.max_new_tokens, budget),
+                seed=_turn_seed(ctx.sampling.seed, prompt_ids, index, turn),
+            )
+            (c,) = await ctx.engine.generate(prompt_ids + ids, params)
+            _append(ids, mask, logprobs, versions, c)
+            final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            turns.append({"role": "assistant", "tokens": len(c.token_ids)})
+            if c.finish_reason != "stop":
+                status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
+                stop = "abort" if c.finish_reason == "abort" else "length"
+                break
+            step = await _env_step(env, final_text)
+            env_rewards.append(step.reward)
+            for k in COUNTERS:
+                counts[k] += step.info[k]
+            if step.done or step.observation is None:
+                stop = "done"
+                break
+            if turn == agent.max_turns - 1:
+                status = Status.TRUNCATED
+                break
+            obs_ids = codec.encode(step.observation)
+            if len(ids) + len(obs_ids) >= agent.max_tokens:
+                status, stop = Status.TRUNCATED, "max_tokens"
+                break
+            ids += obs_ids
+            mask += [0] * len(obs_ids)
+            logprobs += [0.0] * len(obs_ids)
+            versions += [-1] * len(obs_ids)
+            turns.append({"role": "observation", "tokens": len(obs_ids)})
+    except _EnvFailure as e:  # the environment must not end the run; engine errors propagate
+        cause = e.__cause__
+        status, error, stop = Status.FAILED, f"EnvError: {type(cause).__name__}: {cause}", "error"
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            with contextlib.suppress(Exception):  # a failing close() must not hide the episode
+                await maybe_await(close())
+    sample = Sample(
+        prompt_ids=prompt_ids,
+        response_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=logprobs,
+        versions=versions,
+        status=status,
+        error=error,
+        index=index,
+        row=row,
+        response_text=final_text,
+    )
+    model_turns = sum(t["role"] == "assistant" for t in turns)
+    sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+    sample.metadata["turns"] = turns
+    sample.metadata["metrics"] = {
+        "agent/turns": float(model_turns),
+        **{f"agent/{k}": float(v) for k, v in counts.items()},
+    }
+    if status != Status.FAILED:
+        await _score(ctx, sample, row, agent, env_rewards)
+    sample.reward_info.update(
+        {"env_rewards": env_rewards, "turns": model_turns, "stop": stop, **counts}
+    )
+    return sample
+
+
+class _EnvFailure(Exception):
+    """An exception raised by the environment's reset or step (its __cause__)."""
+
+
+async def _env_reset(env: Any, row: dict) -> Any:
+    """``env.reset(row)`` (sync or async), checked; failures become `_EnvFailure`."""
+    try:
+        first = await maybe_await(env.reset(row))
+        if first is not None and not isinstance(first, (str, list)):
+            raise TypeError(
+                f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
+            )
+        return first
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _EnvFailure(str(e)) from e
+
+
+async def _env_step(env: Any, action: str) -> StepResult:
+    """``env.step(action)`` (sync or async), checked, with its counters read as ints. Any
+    exception or a wrong result becomes `_EnvFailure`, which fails the sample (engine errors, in
+    contrast, propagate to the collector as rollout errors)."""
+    try:
+        step = as_step_result(await maybe_await(env.step(action)))
+        for k in COUNTERS:
+            v = step.info.get(k) or 0
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"env.step info[{k!r}] must be a number, got {v!r}")
+            step.info[k] = int(v)
+        return step
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _EnvFailure(str(e)) from e
+
+
+async def _score(
+    ctx: RolloutContext, sample: Sample, row: dict, agent: Any, env_rewards: list[float]
+) -> None:
+    """reward = task (reward function), env_return = sum_t gamma^t r_t, or their sum."""
+    env_return = sum((r * agent.turn_discount**t for t, r in enumerate(env_rewards)), 0.0)
+    task = 0.0
+    if agent.reward != "env":
+        await score(ctx.reward_fn, sample, row, timeout_s=ctx.reward_timeout_s)
+        if sample.reward is None:  # the reward function failed; score() recorded why
+            return
+        task = sample.reward
+    total = {"task": task, "env": env_return, "sum": task + env_return}[agent.reward]
+    sample.reward = total
+    sample.reward_info.update({"reward": total, "task_reward": task, "env_return": env_return})
+
+
+def _append(ids: list, mask: list, logprobs: list, versions: list, c: Completion) -> None:
+    ids += c.token_ids
+    mask += [1] * len(c.token_ids)
+    logprobs += c.logprobs
+    versions += c.versions
+
+
+def _turn_seed(seed: int | None, prompt_ids: list[int], index: int, turn: int) -> int | None:
+    """A per-(prompt, episode, turn) seed, so that seeded episodes of different prompts (e.g. in
+    evaluation, where every row shares one seed) draw independent random numbers."""
+    if seed is None:
+        return None
+    key = json.dumps([seed, index, turn, prompt_ids]).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") % (2**31 - 1)
+
+
+def _encode_prompt(
+    ctx: RolloutContext, row: dict, first: Any, tools: list[dict] | None, agent: Any
+) -> list[int]:
+    """Prompt ids for the episode: the configured encoder when there is nothing to add, else the
+    chat template over the reset observation (or the row's prompt) with the tools' schemas."""
+    show = bool(tools) and agent.show_tools
+    if first is None and not show:
+        return ctx.encode(row)
+    p: dict[str, Any] = ctx.extras.get("prompt", {})
+    key = p.get("prompt_key", "prompt")
+    if first is not None:
+        source = {"messages": first} if isinstance(first, list) else {key: first}
+    else:
+        source = row
+    messages = prompt_messages(source, prompt_key=key, system_prompt=p.get("system_prompt"))
+    tok = ctx.tokenizer
+    if p.get("use_chat_template", True) and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(
+            messages, tools=tools if show else None, tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    else:
+        text = "\n\n".join(str(m["content"]) for m in messages)
+        prompt_ids = [int(i) for i in tok(text)["input_ids"]]
+    limit = p.get("max_prompt_tokens")
+    if limit is not None and len(prompt_ids) > limit:
+        raise PromptTooLong(len(prompt_ids), limit, row.get("_index"))
+    return prompt_ids
+
+
+def agent_extras(cfg: Any) -> dict[str, Any]:
+    """What `rollout` reads from ``ctx.extras``: the agent section and the prompt settings."""
+    d = cfg.data
+    return {
+        "agent": cfg.agent,
+        "serve": getattr(cfg, "serve", None),  # limits of the OpenAI-compatible server (agent_rollout)
+        "prompt": {
+            "prompt_key": d.prompt_key,
+            "system_prompt": d.system_prompt,
+            "use_chat_template": d.chat_template,
+            "max_prompt_tokens": d.max_prompt_tokens,
+        },
+    }
