@@ -295,7 +295,9 @@ def agent_extras(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     return {
         "agent": cfg.agent,
-        "serve": getattr(cfg, "serve", None),  # limits of the OpenAI-compatible server (agent_rollout)
+        "serve": getattr(
+            cfg, "serve", None
+        ),  # limits of the OpenAI-compatible server (agent_rollout)
         "prompt": {
             "prompt_key": d.prompt_key,
             "system_prompt": d.system_prompt,
