@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One small local Ray instance per test module (4 logical CPUs; the machine has fewer cores)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
