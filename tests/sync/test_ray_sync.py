@@ -63,11 +63,9 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
         router = Router(engines)
         batch = make_batch(_groups(), version=0)
         initial = ray.get(engines[0].weights_hash.remote())
-        version = 0
-        for transport in ("broadcast", "disk", "object_store", "broadcast"):
+        for version, transport in enumerate(("broadcast", "disk", "object_store", "broadcast"), 1):
             sync = WeightSync(trainer, router, transport, disk_dir=tmp_path / "w", bucket_mb=0.25)
             trainer.train(batch)
-            version += 1
             stats = sync.push(version)
             assert stats["sync/mb"] > 0.1 and stats["time/sync"] > 0
             want = ray.get(trainer.rank0.weights_hash.remote())

@@ -13,6 +13,7 @@ it take requests again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -202,7 +203,5 @@ class Router:
 
         self._closed = True
         for r in self.replicas:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(r, no_restart=True)
-            except Exception:  # already gone
-                pass
