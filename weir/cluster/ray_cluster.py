@@ -62,17 +62,15 @@ class RayCluster:
                 )
                 for r in range(t.ranks)
             ]
-            self.trainer_pg = placement_group(bundles, strategy="PACK", name="weir-trainer")
+            self.trainer_pg = placement_group(bundles, strategy="PACK")
         else:
             self.trainer_pg = placement_group(
                 [_bundle(t.cpus_per_rank, t.gpus_per_rank, t.resources)] * t.ranks,
                 strategy="PACK",
-                name="weir-trainer",
             )
             self.engine_pg = placement_group(
                 [_bundle(e.cpus, e.gpus, e.resources)] * e.replicas,
                 strategy="PACK",
-                name="weir-engines",
             )
         for name, pg in (("cluster.trainer", self.trainer_pg), ("cluster.engines", self.engine_pg)):
             if pg is None:
