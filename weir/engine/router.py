@@ -189,11 +189,15 @@ class Router:
         await asyncio.to_thread(self.abort_sync)
 
     def stats(self) -> dict[str, float]:
-        """Counters summed over the healthy replicas, plus the router's retries and restarts."""
+        """Counters summed over the healthy replicas (busy_s: their mean), plus the router's
+        retries and restarts."""
         total: dict[str, float] = {}
-        for s in self._each("stats"):
+        each = self._each("stats")
+        for s in each:
             for k, v in s.items():
                 total[k] = total.get(k, 0.0) + float(v)
+        if each:  # busy time as a fraction of wall time: the replicas' mean
+            total["busy_s"] /= len(each)
         total["engine_retries"] = float(self.retries)
         total["engine_restarts"] = float(self.restarts)
         return total

@@ -98,7 +98,7 @@ def run_async(
         return finish(run, parts)
     finally:
         producer.stop()
-        parts.engine.close()
+        parts.close()
         run.close()
 
 

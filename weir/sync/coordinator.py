@@ -100,6 +100,8 @@ class WeightSync:
             "sync/deliver_s": end - gathered,
             "sync/mb": nbytes / 2**20,
             "sync/mb_per_s": nbytes / 2**20 / max(end - gathered, 1e-9),
+            "cluster/engine_retries": float(self.router.retries),
+            "cluster/engine_restarts": float(self.router.restarts),
         }
 
     def _broadcast(
