@@ -115,12 +115,16 @@ def test_a_replica_killed_mid_generation_is_retried_restarted_and_resynced(parts
     assert ray.get([r.weights_hash.remote() for r in parts.router.replicas]) == [want, want]
 
 
-@pytest.mark.slow
-def test_a_dead_trainer_rank_stops_with_a_clear_message(ray_local, tiny_model_dir, tmp_path):
-    p = build_ray(_cfg("cluster.trainer.ranks=2"), tmp_path, str(tiny_model_dir))
+def test_a_dead_trainer_rank_stops_with_a_clear_message(ray_local, tiny_model_dir):
+    from weir.cluster import RayCluster
+    from weir.train.distributed import TrainerGroup
+
+    cfg = _cfg("cluster.trainer.ranks=2", "cluster.engines.replicas=1")
+    cluster = RayCluster(cfg.cluster).start()
     try:
-        ray.kill(p.trainer.ranks[1])
+        group = TrainerGroup(cluster, cfg, str(tiny_model_dir))
+        ray.kill(group.ranks[1])
         with pytest.raises(TrainerFailed, match="trainer rank 1 died"):
-            _push_one_version(p)
+            group.call("full_state")  # rank 0 would wait for rank 1 in the collective forever
     finally:
-        p.shutdown()
+        cluster.shutdown()

@@ -10,10 +10,7 @@ to nodes that offer those resources.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 class TrainerFailed(RuntimeError):
