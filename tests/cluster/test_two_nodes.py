@@ -22,7 +22,9 @@ def two_nodes():
         },
     )
     engine_node = cluster.add_node(num_cpus=2, resources={"engine_node": 2})
-    ray.init(address=cluster.address, log_to_driver=False)
+    from weir.cluster.ray_cluster import driver_env
+
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env=driver_env())
     cluster.wait_for_nodes()
     yield cluster, engine_node
     ray.shutdown()

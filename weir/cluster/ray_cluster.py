@@ -10,6 +10,8 @@ to nodes that offer those resources.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 
@@ -22,6 +24,13 @@ def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, 
     if gpus:
         b["GPU"] = float(gpus)
     return {k: v for k, v in b.items() if v > 0}
+
+
+def driver_env() -> dict[str, Any]:
+    """A runtime_env giving Ray workers this process's import path, so that plugins (rewards,
+    rollouts) importable here are importable in tasks and actors of a local Ray too."""
+    path = os.pathsep.join(p for p in sys.path if p)
+    return {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
 
 
 class RayCluster:
@@ -43,9 +52,10 @@ class RayCluster:
 
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"address": self.cfg.address, "log_to_driver": True}
-            if self.cfg.address is None:
+            if self.cfg.address is None:  # a Ray of our own: its workers import what we import
                 kwargs["num_cpus"] = self.cfg.num_cpus
                 kwargs["include_dashboard"] = False
+                kwargs["runtime_env"] = driver_env()
             ray.init(**kwargs)
             self._started_ray = True
         t, e = self.cfg.trainer, self.cfg.engines

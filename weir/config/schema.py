@@ -287,6 +287,8 @@ class ClusterConfig(Section):
     """Directory of the disk transport (shared by trainer and engines); default <run dir>/weights."""
     bucket_mb: float = Field(64.0, gt=0)
     """Size of one broadcast bucket of the weight sync."""
+    reward_workers: int = Field(2, ge=0)
+    """On Ray, score rewards in this many Ray actors (off the driver); 0 scores in driver threads."""
 
 
 class Config(Section):

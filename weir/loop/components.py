@@ -204,6 +204,8 @@ def build(
 
 def _components(cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter):
     ctx, eval_ctx = make_contexts(cfg, engine, tokenizer, reward)
+    if ray_parts is not None and cfg.cluster.reward_workers:
+        ctx.reward_fn = eval_ctx.reward_fn = ray_parts.rewards(ctx.reward_fn)
     spec = filter or cfg.rollout.filter
     return Components(
         model=model,

@@ -5,11 +5,13 @@ Chosen by `cluster.type=ray`; everything else in the config means what it means 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from weir.cluster import RayCluster
+from weir.cluster.rewards import RewardPool
 from weir.config import Config
 from weir.engine.router import Router
 from weir.sync.coordinator import WeightSync
@@ -23,8 +25,16 @@ class RayParts:
     trainer: TrainerGroup
     router: Router
     sync: WeightSync
+    reward_pool: RewardPool | None = None
+
+    def rewards(self, fn: Callable) -> Callable:
+        """`fn` scored in `cluster.reward_workers` Ray actors instead of the driver."""
+        self.reward_pool = RewardPool(fn, workers=self.trainer.cfg.cluster.reward_workers)
+        return self.reward_pool.reward
 
     def shutdown(self) -> None:
+        if self.reward_pool is not None:
+            self.reward_pool.shutdown()
         self.router.close()
         self.trainer.shutdown()
         self.cluster.shutdown()

@@ -232,6 +232,7 @@ class TrainerGroup:
     def __init__(self, cluster, cfg: Config, model_path: str, rank_cls: type = TrainerRank) -> None:
         import ray
 
+        self.cfg = cfg
         world = cfg.cluster.trainer.ranks
         remote = ray.remote(rank_cls)
         self.ranks = [
