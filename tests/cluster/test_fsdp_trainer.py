@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from weir.config import build_config
@@ -49,6 +51,16 @@ def test_balance_splits_by_tokens_and_covers_every_row():
     assert sorted(bins[0] + bins[1]) == list(range(8))
     loads = [sum([30, 3, 4, 5, 6, 2, 7, 3][i] for i in b) for b in bins]
     assert loads == [30, 30]  # 30 alone vs 3+4+5+6+2+7+3
+
+
+@given(st.lists(st.integers(1, 500), max_size=40), st.integers(1, 8))
+def test_balance_is_a_partition_within_one_row_of_even(lengths, ranks):
+    bins = balance(lengths, ranks)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(b == sorted(b) for b in bins)
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    if lengths:  # greedy longest-first: no bin exceeds another by more than the longest row
+        assert max(loads) - min(loads) <= max(lengths)
 
 
 @pytest.mark.slow

@@ -75,6 +75,8 @@ class ShardedActor(Actor):
 
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # NCCL reduces tensors on the GPU, gloo on the CPU
+        self._comm = next(model.parameters()).device if dist.get_backend() == "nccl" else None
         # the reference must be copied before `model` is sharded in place
         self._initial = copy.deepcopy(model) if cfg.algo.kl.coef > 0 else None
         super().__init__(shard_model(model), cfg)
@@ -95,7 +97,7 @@ class ShardedActor(Actor):
             [mine[j] for j in mb]
             for mb in pack_by_tokens([len(seqs[i]) for i in mine], self.tcfg.micro_batch_tokens)
         ]
-        count = torch.tensor([len(local)])
+        count = torch.tensor([len(local)], device=self._comm)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return local + [[]] * (int(count.item()) - len(local))
 
@@ -108,8 +110,10 @@ class ShardedActor(Actor):
             (out.logits.float().sum() * 0.0).backward()
 
     def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(rows)  # each row was computed on exactly one rank, zeros elsewhere
-        return rows
+        # each row was computed on exactly one rank, zeros elsewhere
+        total = rows.to(self._comm) if self._comm is not None else rows
+        dist.all_reduce(total)
+        return total.to(rows.device)
 
     def _reduce_metrics(
         self, sums: dict[str, float], peaks: dict[str, float]
