@@ -131,6 +131,7 @@ class ShardedActor(Actor):
 
 
 def free_port() -> int:
+    """A TCP port that is free on this node now (for a rendezvous this process hosts)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
