@@ -25,4 +25,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 "${PIP[@]}" install -e ".[dev${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+# `weir report`'s browser test renders the report in headless Chromium; install Debian's package
+# when it is missing and apt is there (as root), and never fail the set-up if that cannot be done.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && [ -z "${WEIR_NO_CHROMIUM:-}" ]; then
+  echo "setup: installing chromium (headless report test; WEIR_NO_CHROMIUM=1 skips)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "setup: could not install chromium; the browser test will be skipped" >&2
+fi
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

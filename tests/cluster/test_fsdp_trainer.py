@@ -99,6 +99,14 @@ def test_two_ranks_match_one_rank(ray_local, tiny_model_dir, tmp_path, kl):
         for key in ("train/loss", "train/grad_norm", "train/lr", "policy/pg_loss"):
             assert repeat[key] == pytest.approx(again[key], rel=1e-6), key
         assert all(torch.equal(after[k], v) for k, v in dict(group.weights()).items())
+        # the run checkpoint's format: full weights + full optimizer state, sharded back in
+        state = {**group.state_dict(), "model": dict(group.weights())}
+        assert state["updates"] == one.updates + 4  # 2 mini-batches x (2 + 2 + 1) steps vs 2 + 2
+        once = group.train(batch)
+        group.load_state_dict(state)
+        twice = group.train(batch)
+        for key in ("train/loss", "train/grad_norm", "train/lr", "policy/pg_loss"):
+            assert twice[key] == pytest.approx(once[key], rel=1e-6), key
         group.shutdown()
     finally:
         cluster.shutdown()

@@ -48,3 +48,12 @@ def test_the_loop_runs_on_ray(ray_local, tmp_path, mode):
     assert weights_hash(saved) != weights_hash(initial)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("sync/mb_per_s" in x for x in lines)
+    if mode == "sync":  # resume from the final checkpoint: weights and optimizer go to the ranks
+        more = weir.run(
+            {**SMALL, "run": {**SMALL["run"], "steps": 3}},
+            [f"run.dir={tmp_path}", *RAY],
+            reward=_parity,
+        )
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines if "reward/mean" in x] == [1, 2, 3]
+        assert more.model_dir is not None

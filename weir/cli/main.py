@@ -1,4 +1,4 @@
-"""The `weir` command line: train, sft, eval, demo, config-docs."""
+"""The `weir` command line: train, sft, eval, export, report, demo, config-docs."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ console = Console(highlight=False)
 
 
 @app.callback()
-def _quiet_hf() -> None:
+def _quiet_hf(ctx: typer.Context) -> None:
     """weir prints its own progress; silence transformers' per-file loading bars."""
+    if ctx.invoked_subcommand == "report":  # loads no model: skip importing transformers
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -44,15 +46,25 @@ def _user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from weir.loop.run import RunError
-
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, RunError) as err:
+        except Exception as err:
+            # imported here: weir.loop pulls in torch, which `weir report` does not need
+            from weir.loop.run import RunError
+
+            if not isinstance(err, ValueError | FileNotFoundError | RunError):
+                raise
             if os.environ.get("WEIR_DEBUG"):
                 raise
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            if os.environ.get("WEIR_DEBUG"):
+                raise
+            console.print(
+                "interrupted; run the same command again to resume from the newest checkpoint"
+            )
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -89,6 +101,25 @@ def train(
 
 @app.command()
 @_user_errors
+def export(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A checkpoint (runs/x/checkpoints/step_N), or a run directory.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the HF model directory.")],
+    dtype: Annotated[
+        str | None, typer.Option(help="Convert the weights: float32 or bfloat16.")
+    ] = None,
+) -> None:
+    """Export a checkpoint as a standard Hugging Face model directory (safetensors, config, tokenizer)."""
+    from weir.train.export import export_model
+
+    if dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"--dtype {dtype}: use float32 or bfloat16")
+    console.print(f"exported to {export_model(checkpoint, out, dtype)}")
+
+
+@app.command()
+@_user_errors
 def sft(config: ConfigArg = None, overrides: Overrides = None) -> None:
     """Supervised warm start on prompt/response pairs; loss on response tokens only."""
     cfg = _load(config, overrides)
@@ -101,7 +132,10 @@ def sft(config: ConfigArg = None, overrides: Overrides = None) -> None:
 @_user_errors
 def eval_(
     model: Annotated[
-        str, typer.Argument(help="HF model directory (e.g. a run's model/) or hub name.")
+        str,
+        typer.Argument(
+            help="HF model directory or hub name, or a run directory (its model/ and its eval settings)."
+        ),
     ],
     task: Annotated[
         str | None, typer.Option(help="Built-in task: arithmetic, countdown, gsm8k.")
@@ -112,32 +146,37 @@ def eval_(
     reward: Annotated[
         str | None, typer.Option(help="Reward name or dotted path (default: the task's).")
     ] = None,
-    n: Annotated[int, typer.Option(help="Samples per prompt (pass@k for k <= n).")] = 1,
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    size: Annotated[int, typer.Option(help="Held-out rows of a built-in task.")] = 500,
-    max_new_tokens: Annotated[int, typer.Option()] = 64,
-    seed: Annotated[int, typer.Option()] = 0,
+    n: Annotated[
+        int | None, typer.Option(help="Samples per prompt (pass@k for k <= n). [1]")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 is greedy. [0]")] = None,
+    size: Annotated[
+        int | None, typer.Option(help="Held-out rows of a built-in task. [500]")
+    ] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="[64]")] = None,
+    seed: Annotated[int | None, typer.Option(help="[0]")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the metrics as JSON here.")] = None,
 ) -> None:
-    """Evaluate a model: mean reward, accuracy and pass@k with the built-in engine."""
-    overrides = [
-        f"model.path={model}",
-        f"eval.n={n}",
-        f"eval.temperature={temperature}",
-        f"eval.max_new_tokens={max_new_tokens}",
-        f"data.eval_size={size}",
-        f"run.seed={seed}",
-        "run.steps=0",
-    ]
-    if task:
-        overrides.append(f"data.task={task}")
-    if data:
-        overrides += [f"data.eval_source={data}", f"data.source={data}"]
-    if reward:
-        overrides.append(f"reward.function={reward}")
-    cfg = _load(None, overrides)
-    from weir.loop.evaluation import run_eval
+    """Evaluate a model: mean reward, accuracy and pass@k with the built-in engine.
 
+    Defaults in [brackets] apply to a model; a run directory keeps the run's own eval settings."""
+    from weir.loop.evaluation import eval_config, run_eval
+
+    try:
+        cfg = eval_config(
+            model,
+            task=task,
+            data=data,
+            reward=reward,
+            n=n,
+            temperature=temperature,
+            size=size,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+        )
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
     metrics = run_eval(cfg)
     table = Table(title=f"eval of {model}")
     table.add_column("metric")
@@ -146,7 +185,28 @@ def eval_(
         table.add_row(k, f"{v:.4f}")
     console.print(table)
     if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(metrics, indent=2))
+        console.print(f"wrote {out}")
+
+
+@app.command()
+@_user_errors
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (run.dir of a training run).")],
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory. Default: RUN_DIR/report.")
+    ] = None,
+) -> None:
+    """Write a self-contained HTML report (curves, timeline, sample responses) and PNGs of a run."""
+    from weir.telemetry.report import build_report
+
+    result = build_report(run_dir, out)
+    console.print(f"report: {result.html}  ({result.seconds:.1f} s)")
+    for png in result.pngs:
+        console.print(f"plot: {png}")
+    for why in result.skipped:
+        console.print(f"[dim]skipped: {why}[/dim]")
 
 
 @app.command()

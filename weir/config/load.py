@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
     """Validate a dict (plus overrides) into a Config, raising ConfigError with readable messages."""
-    data = apply_overrides(dict(data or {}), list(overrides or []))
+    data = apply_overrides(
+        copy.deepcopy(dict(data or {})), list(overrides or [])
+    )  # never the caller's
     try:
         return Config.model_validate(data)
     except ValidationError as err:

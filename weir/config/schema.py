@@ -30,7 +30,17 @@ class RunConfig(Section):
     save_model: bool = True
     """Write the trained model as a standard HF directory to <dir>/model at the end."""
     overwrite: bool = True
-    """Reuse an existing run directory (metrics.jsonl is rewritten)."""
+    """Reuse an existing run directory (metrics.jsonl is rewritten) when not resuming from it."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Write a checkpoint every N steps and at the end (0: never). A stop signal also writes one."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Keep the newest K checkpoints in <dir>/checkpoints; older ones are deleted."""
+    resume: str = "auto"
+    """`auto`: continue from the newest complete checkpoint in <dir>/checkpoints if there is one;
+    `never`: start from scratch (old checkpoints are deleted); or the path of one checkpoint."""
+    deterministic: bool = False
+    """Same seed and config give byte-identical metrics.jsonl (sync loop): deterministic torch kernels,
+    and wall-clock figures (time/*, throughput/*) go to timings.jsonl instead."""
 
 
 class ModelConfig(Section):
@@ -69,7 +79,7 @@ class DataConfig(Section):
     """Wrap prompts with the tokenizer's chat template."""
     max_prompt_tokens: int = Field(512, ge=1)
     """Longer prompts are handled per `on_long_prompt`."""
-    on_long_prompt: Literal["skip", "error"] = "skip"
+    on_long_prompt: Literal["skip", "truncate", "error"] = "skip"
     """`skip` drops and counts over-long prompts; `error` stops the run."""
     shuffle: bool = True
     """Shuffle prompts each epoch, deterministically by seed."""
@@ -232,11 +242,21 @@ class LoopConfig(Section):
 
 class TelemetryConfig(Section):
     console: bool = True
-    """Print a line of metrics per step."""
+    """Show step progress and metrics on the console."""
+    progress: Literal["auto", "live", "lines"] = "auto"
+    """Console style: `live` is a progress display (step x/N, ETA, reward, length, tokens/s, time
+    split) redrawn in place; `lines` prints one line per step (CI logs, files); `auto` picks `live`
+    on a terminal and `lines` otherwise."""
     jsonl: bool = True
     """Write metrics.jsonl in the run directory."""
     tensorboard: bool = False
     """Write TensorBoard event files to <run dir>/tensorboard (pip install 'weir[tensorboard]')."""
+    wandb: bool = False
+    """Log step metrics to Weights & Biases under <run dir>/wandb (pip install 'weir[wandb]')."""
+    wandb_project: str = "weir"
+    """W&B project name; the run is named after run.name."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline` writes locally and never touches the network (upload later with `wandb sync`)."""
     dump_rollouts: bool = False
     """Write each step's samples (ids, text, rewards, log-probs, versions) to rollouts/step_N.jsonl."""
     trace: bool = True
@@ -342,6 +362,10 @@ class Config(Section):
         if self.eval.temperature == 0 and self.eval.n > 1:
             raise ValueError(
                 "eval.n > 1 needs eval.temperature > 0 (greedy samples are identical, pass@k = pass@1)"
+            )
+        if self.run.deterministic and self.loop.mode != "sync":
+            raise ValueError(
+                "run.deterministic needs loop.mode=sync (the async loop's batches depend on timing)"
             )
         cl = self.cluster
         if cl.type == "local" and (cl.trainer.ranks > 1 or cl.engines.replicas > 1):

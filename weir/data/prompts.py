@@ -9,10 +9,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["PromptTooLong", "encode_prompt", "render_prompt", "prompt_messages"]
+__all__ = [
+    "BadRow",
+    "DataError",
+    "PromptTooLong",
+    "encode_prompt",
+    "render_prompt",
+    "prompt_messages",
+]
 
 
-class PromptTooLong(ValueError):
+class BadRow(ValueError):
+    """A data row that cannot become a prompt (missing or empty prompt field, malformed chat).
+
+    Rollout collection skips and counts such rows (`data/skipped_bad_rows`) instead of failing the step.
+    """
+
+
+class DataError(ValueError):
+    """Data the run was told not to tolerate (e.g. `data.on_long_prompt=error`); it stops the run."""
+
+
+class PromptTooLong(BadRow):
     """The encoded prompt is longer than `max_prompt_tokens`; callers skip and count such rows."""
 
     def __init__(self, num_tokens: int, max_tokens: int, index: Any = None) -> None:
@@ -39,28 +57,30 @@ def prompt_messages(
     value = row.get(prompt_key)
     if value is None and "messages" in row:
         value = row["messages"]
+    if value is None and prompt_key in row:
+        raise BadRow(f"{where}: the prompt field {prompt_key!r} is null")
     if value is None:
-        raise ValueError(
+        raise BadRow(
             f"{where} has no prompt: no {prompt_key!r} or 'messages' field; its keys are {sorted(row)}"
         )
     if isinstance(value, str):
         if not value.strip():
-            raise ValueError(f"{where}: the prompt {prompt_key!r} is empty")
+            raise BadRow(f"{where}: the prompt {prompt_key!r} is empty")
         messages = [{"role": "user", "content": value}]
     elif isinstance(value, (list, tuple)):
         if not value:
-            raise ValueError(f"{where}: the chat (messages) is empty")
+            raise BadRow(f"{where}: the chat (messages) is empty")
         messages = []
         for i, m in enumerate(value):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(
+                raise BadRow(
                     f"{where}: message {i} must be a dict with 'role' and 'content', got {m!r}"
                 )
             messages.append(dict(m))
         if all(not str(m["content"] or "").strip() for m in messages):
-            raise ValueError(f"{where}: every message in the chat is empty")
+            raise BadRow(f"{where}: every message in the chat is empty")
     else:
-        raise ValueError(
+        raise BadRow(
             f"{where}: the prompt must be a string or a list of messages, got {type(value).__name__}"
         )
     if system_prompt and messages[0].get("role") != "system":
@@ -97,13 +117,16 @@ def encode_prompt(
     system_prompt: str | None = None,
     use_chat_template: bool = True,
     max_prompt_tokens: int | None = None,
+    truncate: bool = False,
 ) -> list[int]:
     """Token ids of the prompt of `row` (see `render_prompt` for the text).
 
     The chat-template text already holds any BOS the template writes, so it is encoded with
     ``add_special_tokens=False``; plain text is encoded with the tokenizer's special tokens.
-    Raises ValueError for an empty prompt and `PromptTooLong` (a ValueError) when the ids exceed
-    `max_prompt_tokens`.
+    Raises `BadRow` for a missing or empty prompt and `PromptTooLong` (a `BadRow`) when the ids exceed
+    `max_prompt_tokens`, unless `truncate`: then the *first* tokens are cut, keeping the end of the
+    prompt where the template opens the assistant turn (the question's start is lost, not the cue to
+    answer).
     """
     templated = use_chat_template and _has_chat_template(tokenizer)
     text = render_prompt(
@@ -116,7 +139,9 @@ def encode_prompt(
     ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
     ids = [int(i) for i in ids]
     if not ids:
-        raise ValueError("the prompt encodes to zero tokens")
+        raise BadRow("the prompt encodes to zero tokens")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        if truncate:
+            return ids[-max_prompt_tokens:]
         raise PromptTooLong(len(ids), max_prompt_tokens, row.get("_index"))
     return ids

@@ -72,6 +72,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from weir.engine.base import Completion, SamplingParams
+from weir.telemetry.timeline import span
 
 __all__ = ["TorchEngine"]
 
@@ -693,6 +694,17 @@ class TorchEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue sampling exactly: the seed stream of unseeded requests
+        and the weight version. Take it when no request is in flight."""
+        with self._mu:
+            return {"rng": self._rng.getstate(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._mu:
+            self._rng.setstate(state["rng"])
+        self._set_version(state["version"])
+
     def stats(self) -> dict[str, float]:
         """Counters since start: requests, generated/prefill tokens, decode steps, busy seconds."""
         with self._mu:
@@ -822,7 +834,7 @@ class TorchEngine:
                         continue
                 t0 = time.perf_counter()
                 try:
-                    with torch.inference_mode():
+                    with torch.inference_mode(), span("decode", cat="engine", merge_gap_ms=2):
                         self._iteration()
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     self._fail_running(exc)

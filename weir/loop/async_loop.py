@@ -54,9 +54,15 @@ def run_async(
     colocated = cfg.loop.placement == "colocated"
     load = EngineLoad(parts.engine)
     try:
-        run.log(0, eval_metrics(parts))
+        saved = run.restore(parts)
+        if saved is not None:
+            producer.restore(saved)
+        elif not run.resumed:
+            run.log(0, eval_metrics(parts))
         producer.start()
         for step in run.steps():
+            if run.stopping:
+                break
             waited = time.perf_counter()
             with span("wait", cat="idle"):
                 groups = next_batch(buffer, producer, run.version)
@@ -95,7 +101,8 @@ def run_async(
                 producer.take_counts(),
                 evals,
             )
-        return finish(run, parts)
+            run.checkpoint(parts, step, buffer=producer.snapshot)
+        return finish(run, parts, buffer=producer.snapshot)
     finally:
         producer.stop()
         parts.close()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from weir.config import Config
-from weir.data.prompts import PromptTooLong, encode_prompt
+from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
 from weir.engine.torch_engine import TorchEngine
@@ -71,29 +71,42 @@ def task_rows(cfg: Config, split: str) -> list[dict]:
     return rows[:n]
 
 
-def make_encoder(cfg: Config, tokenizer: Any) -> Callable[[dict], list[int]]:
-    """row -> prompt ids with the configured template and length policy."""
-    d = cfg.data
-    encode = partial(
-        encode_prompt,
-        tokenizer,
-        prompt_key=d.prompt_key,
-        system_prompt=d.system_prompt,
-        use_chat_template=d.chat_template,
-        max_prompt_tokens=d.max_prompt_tokens,
-    )
-    if d.on_long_prompt == "skip":
-        return encode
+class PromptEncoder:
+    """row -> prompt ids with the configured template and `data.on_long_prompt` policy.
 
-    def strict(row: dict) -> list[int]:
+    `skip` raises `PromptTooLong` (collection skips and counts the row), `truncate` keeps the last
+    `max_prompt_tokens` ids and counts it in `truncated`, `error` stops the run with a message.
+    """
+
+    def __init__(self, cfg: Config, tokenizer: Any) -> None:
+        d = cfg.data
+        self.policy, self.max_tokens = d.on_long_prompt, d.max_prompt_tokens
+        self.truncated = 0
+        self._encode = partial(
+            encode_prompt,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            system_prompt=d.system_prompt,
+            use_chat_template=d.chat_template,
+            max_prompt_tokens=d.max_prompt_tokens,
+        )
+
+    def __call__(self, row: dict) -> list[int]:
         try:
-            return encode(row)
+            return self._encode(row)
         except PromptTooLong as err:
-            raise ValueError(
-                f"{err}; raise data.max_prompt_tokens or set data.on_long_prompt=skip"
-            ) from None
+            if self.policy == "truncate":
+                self.truncated += 1
+                return self._encode(row, truncate=True)
+            if self.policy == "error":
+                raise DataError(
+                    f"{err}; raise data.max_prompt_tokens or set data.on_long_prompt=skip|truncate"
+                ) from None
+            raise
 
-    return strict
+
+def make_encoder(cfg: Config, tokenizer: Any) -> PromptEncoder:
+    return PromptEncoder(cfg, tokenizer)
 
 
 def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
@@ -163,6 +176,8 @@ def load_run_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     torch.manual_seed(cfg.run.seed)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     return load_model(run_model_path(cfg, run_dir), cfg.model.dtype)
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weir.config import Config
+from weir.config import Config, load_config
 from weir.loop.components import load_run_model, make_contexts, make_engine, task_rows
 from weir.plugins import resolve
 from weir.rollout.evaluate import evaluate
+
+# what `weir eval MODEL` uses for a bare model directory or hub name, unless a flag says otherwise
+DEFAULTS = {"n": 1, "temperature": 0.0, "size": 500, "max_new_tokens": 64, "seed": 0}
 
 
 def run_eval(cfg: Config) -> dict[str, float]:
@@ -21,3 +24,80 @@ def run_eval(cfg: Config) -> dict[str, float]:
         return metrics
     finally:
         engine.close()
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A training run's directory: its resolved config.yaml and a final model/ or checkpoints."""
+    p = Path(path)
+    return (p / "config.yaml").is_file() and (
+        (p / "model").is_dir() or (p / "checkpoints").is_dir()
+    )
+
+
+def locate(model: str) -> tuple[Path | None, str]:
+    """(the run's config.yaml or None, the HF model directory) for a run directory (its newest
+    complete checkpoint, else its final model/), a checkpoint (runs/x/checkpoints/step_N; the run's
+    config is two levels up), or a model directory / hub name."""
+    from weir.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    p = Path(model)
+    if (p / "manifest.json").is_file():
+        reason = verify_checkpoint(p)
+        if reason is not None:
+            raise ValueError(f"checkpoint {p} is unusable: {reason}")
+        ckpt, run_dir = p, p.parent.parent
+    elif is_run_dir(p):
+        ckpt, run_dir = latest_checkpoint(p / "checkpoints")[0], p
+    else:
+        return None, model
+    config = run_dir / "config.yaml"
+    return (config if config.is_file() else None), str(ckpt / "model" if ckpt else p / "model")
+
+
+def eval_config(
+    model: str,
+    *,
+    task: str | None = None,
+    data: Path | None = None,
+    reward: str | None = None,
+    n: int | None = None,
+    temperature: float | None = None,
+    size: int | None = None,
+    max_new_tokens: int | None = None,
+    seed: int | None = None,
+) -> Config:
+    """The config `weir eval` runs.
+
+    `model` is a model directory, a hub name, a run directory or a checkpoint. A run directory is
+    evaluated exactly as the run evaluated itself (its config.yaml: task, held-out rows, reward, eval
+    sampling) on its newest checkpoint (else its final model/), and a checkpoint with its run's
+    config, so greedy accuracy reproduces what the run logged at that step;
+    flags given explicitly still win. Anything else gets `DEFAULTS` for the flags left out.
+    """
+    flags = {
+        "n": n,
+        "temperature": temperature,
+        "size": size,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+    }
+    run_config, model_path = locate(model)
+    run = run_config is not None
+    if not run:
+        flags = {k: DEFAULTS[k] if v is None else v for k, v in flags.items()}
+    keys = {
+        "n": "eval.n",
+        "temperature": "eval.temperature",
+        "size": "data.eval_size",
+        "max_new_tokens": "eval.max_new_tokens",
+        "seed": "run.seed",
+    }
+    overrides = [f"{keys[k]}={v}" for k, v in flags.items() if v is not None]
+    overrides += [f"model.path={model_path}", "run.steps=0"]
+    if task:
+        overrides.append(f"data.task={task}")
+    if data:
+        overrides += [f"data.eval_source={data}", f"data.source={data}"]
+    if reward:
+        overrides.append(f"reward.function={reward}")
+    return load_config(run_config, overrides)

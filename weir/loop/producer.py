@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from weir.buffer import StalenessBuffer
-from weir.data.prompts import PromptTooLong
+from weir.data.prompts import BadRow, DataError, PromptTooLong
 from weir.data.sample import Group, Status
 from weir.data.sources import PromptSource
 from weir.rollout.collect import failed_group
 from weir.rollout.single_turn import RolloutContext
+from weir.telemetry.timeline import async_span
 
 
 class RolloutProducer:
@@ -55,6 +57,8 @@ class RolloutProducer:
             "rollout/regenerated_groups": 0.0,
         }
         self.error: BaseException | None = None
+        self._rows: dict[int, dict] = {}  # ticket -> row, while it is being generated
+        self._retry: deque[dict] = deque()  # rows to roll out before new ones (after a resume)
         self.exhausted = False
 
     def start(self) -> None:
@@ -86,14 +90,20 @@ class RolloutProducer:
     async def _produce(self) -> None:
         in_flight: set[asyncio.Task] = set()
         while not self._stop.is_set():
-            ticket = await self.buffer.admit(self.version, self._stop)
+            with async_span("wait", "admission", cat="idle"):  # held back by the staleness bound
+                ticket = await self.buffer.admit(self.version, self._stop)
             if ticket is None:
                 break
-            if self.prompts.exhausted:
-                self.buffer.put(ticket, None)
-                self.exhausted = True
-                break
-            row = self.prompts.next_batch(1)[0]
+            with self._lock:
+                if self._retry:
+                    row = self._retry.popleft()
+                elif self.prompts.exhausted:
+                    self.buffer.put(ticket, None)
+                    self.exhausted = True
+                    break
+                else:
+                    row = self.prompts.next_batch(1)[0]
+                self._rows[ticket] = row
             self._count("rollout/admitted")
             task = asyncio.create_task(self._one(ticket, row))
             in_flight.add(task)
@@ -124,14 +134,35 @@ class RolloutProducer:
                 else:
                     self._filtered_in_a_row = 0
         except asyncio.CancelledError:
-            self.buffer.put(ticket, None)
+            self._finish(ticket, None)
             raise
         except Exception as err:  # filter errors and the like stop the run with their message
-            self.buffer.put(ticket, None)
+            self._finish(ticket, None)
             self.error = self.error or err
             self.buffer.close()
             return
-        self.buffer.put(ticket, group)
+        self._finish(ticket, group)
+
+    def _finish(self, ticket: int, group: Group | None) -> None:
+        with self._lock:
+            self.buffer.put(ticket, group)
+            self._rows.pop(ticket, None)
+
+    def snapshot(self) -> dict:
+        """A consistent picture for a checkpoint: the buffer, the rows still being generated (they
+        are rolled out again on resume) and the data position after them."""
+        with self._lock:
+            buffer = self.buffer.state_dict()
+            requeue = [self._rows[t] for t, _ in buffer["in_flight"] if t in self._rows]
+            requeue = list(self._retry) + requeue
+            return {"buffer": buffer, "requeue": requeue, "prompts": self.prompts.state_dict()}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `snapshot()`: finished groups wait in the buffer, unfinished rows go first."""
+        self.buffer.load_state_dict(state["buffer"])
+        self.prompts.load_state_dict(state["prompts"])
+        with self._lock:
+            self._retry.extend(state["requeue"])
 
     async def _generate(self, ticket: int, row: dict) -> Group | None:
         start = time.perf_counter()
@@ -144,6 +175,11 @@ class RolloutProducer:
                 group = await self.fn(self.ctx, row)
         except PromptTooLong:
             self._count("rollout/skipped_long_prompts")
+            return None
+        except DataError:
+            raise
+        except BadRow:
+            self._count("data/skipped_bad_rows")
             return None
         except asyncio.CancelledError:
             raise

@@ -55,7 +55,7 @@ def run_sft(cfg: Config) -> Path:
     examples, skipped = sft_examples(cfg, tokenizer, eos)
     total = -(-len(examples) // cfg.sft.batch_size) * cfg.sft.epochs
     every = max(1, total // 10)
-    run = Run.open(cfg, total_steps=total)
+    run = Run.open(cfg, total_steps=total, resumable=False)
     try:
 
         def on_step(step: int, total: int, metrics: dict[str, float]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from weir.config import Config
 from weir.loop.components import Components, build
+from weir.loop.resume import say
 from weir.loop.run import Run, RunError
 from weir.rollout.collect import collect_groups, failure_summary
 from weir.rollout.evaluate import evaluate
@@ -24,6 +25,8 @@ class RunResult:
     history: list[dict[str, float]]
     evals: list[dict[str, float]]
     model_dir: Path | None
+    stopped: bool = False
+    """True when a stop signal ended the run early; it resumes from its last checkpoint."""
 
 
 def run_sync(
@@ -37,9 +40,11 @@ def run_sync(
     run, parts = Run.open(cfg), None
     try:
         parts = build(cfg, run.dir, reward=reward, rollout=rollout, filter=filter)
-        run.log(0, eval_metrics(parts))
+        run.restore(parts)  # when resuming: weights, optimizer, RNG, data position, counters
+        if not run.resumed:
+            run.log(0, eval_metrics(parts))
         for step in run.steps():
-            if parts.prompts.exhausted:  # data.epochs used up
+            if parts.prompts.exhausted or run.stopping:  # data.epochs used up, or SIGINT / SIGTERM
                 break
             rows = parts.prompts.next_batch(cfg.rollout.batch_prompts)
             groups, gen = collect_groups(parts.ctx, rows, parts.rollout_fn, keep=parts.keep)
@@ -53,6 +58,7 @@ def run_sync(
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}
             run.log(step, gen, batch.metrics, stats, sync, evals)
+            run.checkpoint(parts, step)
         return finish(run, parts)
     finally:
         if parts is not None:
@@ -60,10 +66,20 @@ def run_sync(
         run.close()
 
 
-def finish(run: Run, parts: Components) -> RunResult:
-    """Evaluate the final policy unless the last step already did; save the model."""
+def finish(run: Run, parts: Components, buffer: Callable | None = None) -> RunResult:
+    """Stopped by a signal: checkpoint and say how to resume. Otherwise evaluate the final policy
+    (unless the last step did), checkpoint, and save the model."""
+    if run.stopping:
+        path = run.checkpoint(parts, run.last_step, force=True, buffer=buffer)
+        say(
+            f"stopped after step {run.last_step}; checkpoint {path or run.last_checkpoint}. "
+            f"Resume with the same command (run.resume=auto continues from {run.dir}/checkpoints)."
+        )
+        return RunResult(run.dir, run.history, run.evals, None, stopped=True)
     if not run.last_step_evaluated:
         run.log(run.last_step, eval_metrics(parts))
+    if run.cfg.run.checkpoint_every:
+        run.checkpoint(parts, run.last_step, force=True, buffer=buffer)
     save = run.cfg.run.save_model
     model_dir = (
         save_model(parts.trained_model(), parts.tokenizer, run.dir / "model") if save else None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from weir.data.prompts import PromptTooLong
+from weir.data.prompts import BadRow, DataError, PromptTooLong
 from weir.data.sample import Group, Sample, Status
 from weir.rollout.single_turn import RolloutContext
 from weir.telemetry.timeline import span
@@ -24,18 +25,50 @@ def failed_group(row: dict, err: BaseException) -> Group:
     return Group(samples=[sample], row=row)
 
 
-async def _collect(ctx: RolloutContext, rows: list[dict], fn: Callable) -> tuple[list[Group], int]:
+async def _collect(
+    ctx: RolloutContext, rows: list[dict], fn: Callable
+) -> tuple[list[Group | None], dict[str, float]]:
+    skips = {"rollout/skipped_long_prompts": 0.0, "data/skipped_bad_rows": 0.0}
+
     async def one(row: dict) -> Group | None:
         try:
             return await fn(ctx, row)
         except PromptTooLong:
-            return None
+            skips["rollout/skipped_long_prompts"] += 1
+        except BadRow as err:
+            skips["data/skipped_bad_rows"] += 1
+            _warn_bad_row(err)
+        except DataError:
+            raise
         except Exception as err:  # a user rollout function must not end the run
             return failed_group(row, err)
+        return None
 
-    results = await asyncio.gather(*(one(r) for r in rows))
-    groups = [g for g in results if g is not None]
-    return groups, len(results) - len(groups)
+    # Hold the engine until every rollout has submitted its first request, so the first batch the
+    # engine forms is the whole step, in row order: better prefill batching, and the same batches
+    # (hence bit-identical log-probs) every time the step is run.
+    hold = hasattr(ctx.engine, "pause") and hasattr(ctx.engine, "resume")
+    if hold:
+        await ctx.engine.pause()
+    tasks = [asyncio.ensure_future(one(r)) for r in rows]
+    try:
+        await asyncio.sleep(0)
+    finally:
+        if hold:
+            await ctx.engine.resume()
+    results = await asyncio.gather(*tasks)
+    return [g for g in results if g is not None], skips
+
+
+_warned: set[str] = set()
+
+
+def _warn_bad_row(err: BadRow) -> None:
+    """Say once per kind of problem what is wrong with the data; later rows of that kind are only counted."""
+    kind = str(err).split(":", 1)[-1].strip()[:60]
+    if kind not in _warned and len(_warned) < 20:
+        _warned.add(kind)
+        warnings.warn(f"skipping a data row: {err}", stacklevel=1)
 
 
 def collect_groups(
@@ -51,14 +84,21 @@ def collect_groups(
     """
     start = time.perf_counter()
     with span("generate", rows=len(rows)):
-        groups, skipped = asyncio.run(_collect(ctx, rows, fn))
+        truncated = getattr(ctx.encode, "truncated", 0)
+        groups, skips = asyncio.run(_collect(ctx, rows, fn))
+        if rows and skips["data/skipped_bad_rows"] == len(rows):
+            raise DataError(
+                f"none of the {len(rows)} prompts of this step could be used (each row is missing its "
+                "prompt or has an empty one); check data.prompt_key and the data file"
+            )
     for gid, g in enumerate(groups):
         g.group_id = gid
         for i, s in enumerate(g.samples):
             s.group_id, s.index = gid, i
     elapsed = time.perf_counter() - start
     metrics = summarize(groups)
-    metrics["rollout/skipped_long_prompts"] = float(skipped)
+    metrics.update(skips)
+    metrics["data/truncated_prompts"] = float(getattr(ctx.encode, "truncated", 0) - truncated)
     metrics["time/generate"] = elapsed
     metrics["throughput/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / max(elapsed, 1e-9)
     if keep is not None:

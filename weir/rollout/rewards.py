@@ -14,6 +14,8 @@ and contains its failures, so one bad sample never takes a rollout down.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import inspect
 import math as _math
@@ -416,6 +418,20 @@ def _normalize(result: Any, name: str) -> dict[str, Any]:
     return info
 
 
+_REWARD_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _in_reward_thread(fn: RewardFn, sample: Sample, row: Mapping[str, Any]) -> asyncio.Future:
+    """Run a sync reward in weir's own thread pool, not the event loop's default executor: `asyncio.run`
+    waits for the default executor's threads on exit, so one hung reward would stall the whole step
+    long after its timeout."""
+    global _REWARD_POOL
+    if _REWARD_POOL is None:
+        _REWARD_POOL = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="weir-reward")
+    call = functools.partial(contextvars.copy_context().run, fn, sample, row)
+    return asyncio.get_running_loop().run_in_executor(_REWARD_POOL, call)
+
+
 async def score(
     fn: RewardFn,
     sample: Sample,
@@ -436,7 +452,7 @@ async def score(
     """
     name = reward_name(fn)
     try:
-        call = fn(sample, row) if _is_async(fn) else asyncio.to_thread(fn, sample, row)
+        call = fn(sample, row) if _is_async(fn) else _in_reward_thread(fn, sample, row)
         if timeout_s is not None:
             result = await asyncio.wait_for(call, timeout_s)
         else:

@@ -1,5 +1,19 @@
-"""Metric sinks and console output."""
+"""Metric sinks, the live console, the timeline, rollout dumps and run reports."""
 
-from weir.telemetry.sinks import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink
+from weir.telemetry.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    MetricsLogger,
+    TensorBoardSink,
+    WandbSink,
+    console_sink,
+)
 
-__all__ = ["ConsoleSink", "JsonlSink", "MetricsLogger", "TensorBoardSink"]
+__all__ = [
+    "ConsoleSink",
+    "JsonlSink",
+    "MetricsLogger",
+    "TensorBoardSink",
+    "WandbSink",
+    "console_sink",
+]

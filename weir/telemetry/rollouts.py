@@ -9,7 +9,7 @@ from weir.data.sample import Group
 
 
 def dump_rollouts(path: str | Path, step: int, groups: list[Group]) -> Path:
-    """Write `groups` to `path` (JSONL, one sample a line): ids, text, reward, log-probs, versions.
+    """Write `groups` to `path` (JSONL, one sample a line): ids, texts, reward, log-probs, versions.
 
     Rows keep only their JSON-serialisable fields; a field that is not is written as its repr.
     """
@@ -28,6 +28,7 @@ def dump_rollouts(path: str | Path, step: int, groups: list[Group]) -> Path:
                     "reward_info": s.reward_info,
                     "prompt_ids": s.prompt_ids,
                     "response_ids": s.response_ids,
+                    "prompt_text": s.prompt_text,
                     "response_text": s.response_text,
                     "loss_mask": s.loss_mask,
                     "rollout_logprobs": s.rollout_logprobs,

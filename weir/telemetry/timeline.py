@@ -26,34 +26,55 @@ class Timeline:
         self._events: list[dict[str, Any]] = []
         self._threads: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._last: dict[tuple[int, str], dict[str, Any]] = {}  # for merge_gap_ms
         self._t0 = time.perf_counter_ns()
         self._pid = os.getpid()
 
     def _now_us(self) -> float:
         return (time.perf_counter_ns() - self._t0) / 1000
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _add(self, event: dict[str, Any]) -> dict[str, Any]:
         thread = threading.current_thread()
+        stored = {"pid": self._pid, "tid": thread.ident or 0, **event}
         with self._lock:
             self._threads.setdefault(thread.ident or 0, thread.name)
-            self._events.append({"pid": self._pid, "tid": thread.ident or 0, **event})
+            self._events.append(stored)
+        return stored
 
     @contextmanager
-    def span(self, name: str, cat: str = "phase", **args: Any) -> Iterator[None]:
+    def span(
+        self, name: str, cat: str = "phase", merge_gap_ms: float | None = None, **args: Any
+    ) -> Iterator[None]:
+        """A complete event on this thread. With `merge_gap_ms`, a span that starts within that
+        many ms of the end of the previous one of the same name on the same thread extends it
+        (args["merged"] counts them): a busy loop of short iterations stays one bar, and the
+        trace stays small."""
         start = self._now_us()
         try:
             yield
         finally:
-            self._add(
-                {
+            end = self._now_us()
+            if merge_gap_ms is None or not self._extend(name, start, end, merge_gap_ms * 1000):
+                event = {
                     "name": name,
                     "cat": cat,
                     "ph": "X",
                     "ts": start,
-                    "dur": self._now_us() - start,
-                    "args": args,
+                    "dur": end - start,
+                    "args": {**args, "merged": 1} if merge_gap_ms is not None else args,
                 }
-            )
+                stored = self._add(event)
+                if merge_gap_ms is not None:
+                    self._last[(threading.get_ident(), name)] = stored
+
+    def _extend(self, name: str, start: float, end: float, gap_us: float) -> bool:
+        with self._lock:
+            last = self._last.get((threading.get_ident(), name))
+            if last is None or start - (last["ts"] + last["dur"]) > gap_us:
+                return False
+            last["dur"] = end - last["ts"]
+            last["args"]["merged"] += 1
+            return True
 
     @contextmanager
     def async_span(
@@ -108,9 +129,12 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def span(name: str, cat: str = "phase", **args: Any):
-    """A synchronous phase on the current thread, e.g. `with span("train"): ...`."""
-    return _current.span(name, cat, **args) if _current is not None else _nothing()
+def span(name: str, cat: str = "phase", merge_gap_ms: float | None = None, **args: Any):
+    """A synchronous phase on the current thread, e.g. `with span("train"): ...`; see
+    `Timeline.span` for `merge_gap_ms`."""
+    if _current is None:
+        return _nothing()
+    return _current.span(name, cat, merge_gap_ms, **args)
 
 
 def async_span(name: str, key: int | str, cat: str = "rollout", **args: Any):

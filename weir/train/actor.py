@@ -346,6 +346,23 @@ class Actor:
             "mismatch/kl": (k3.sum() / n).item(),
         }
 
+    def state_dict(self) -> dict:
+        """Optimizer, schedule, KL coefficient and update counters: with the model weights, all a
+        checkpoint needs to continue training exactly."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl_coef": self.kl_ctl.value,
+            "updates": self.updates,
+            "skipped_updates": self.skipped_updates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.value = state["kl_coef"]
+        self.updates, self.skipped_updates = state["updates"], state["skipped_updates"]
+
     def weights(self):
         """Named parameters to push to the engines."""
         return self.model.named_parameters()

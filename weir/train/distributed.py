@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -186,6 +187,42 @@ class TrainerRank:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.actor.model, options=opts)
 
+    def trainer_state(self) -> dict[str, Any]:
+        """Collective: rank 0 returns the full (unsharded) optimizer state, schedule, KL
+        coefficient and counters, the same keys as `Actor.state_dict`; other ranks {}."""
+        assert self.actor is not None
+        a = self.actor
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        _, optim = get_state_dict(a.model, a.optimizer, options=opts)
+        if self.rank != 0:
+            return {}
+        return {
+            "optimizer": optim,
+            "scheduler": a.scheduler.state_dict(),
+            "kl_coef": a.kl_ctl.value,
+            "updates": a.updates,
+            "skipped_updates": a.skipped_updates,
+        }
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Every rank: shard a full `trainer_state` (and full weights under "model") back in."""
+        assert self.actor is not None
+        a = self.actor
+        opts = StateDictOptions(full_state_dict=True)
+        if "model" in state:
+            set_state_dict(
+                a.model,
+                a.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=opts,
+            )
+        else:
+            set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"], options=opts)
+        a.scheduler.load_state_dict(state["scheduler"])
+        a.kl_ctl.value = state["kl_coef"]
+        a.updates, a.skipped_updates = state["updates"], state["skipped_updates"]
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -285,8 +322,17 @@ class TrainerGroup:
         """Full weights (fetched to this process): for saving the final model."""
         return self.call("full_state")[0].items()
 
+    def state_dict(self) -> dict:
+        """Full optimizer state, schedule and counters (as `Actor.state_dict`), for a checkpoint."""
+        return self.call("trainer_state")[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put a `state_dict` back on every rank; with full weights under "model" those too."""
+        import ray
+
+        self.call("load_trainer_state", ray.put(state))
+
     def save(self, path: str) -> None:
-        self.call("save", str(path))
 
     def load(self, path: str) -> None:
         self.call("load", str(path))

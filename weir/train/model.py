@@ -68,8 +68,16 @@ def save_model(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
 ) -> Path:
     """Write a standard HF directory (safetensors weights, config, tokenizer)."""
+    from transformers.utils import logging as hf_logging
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one bar per checkpoint would flood the run's log
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     return out

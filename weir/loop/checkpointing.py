@@ -1,0 +1,122 @@
+"""What a run checkpoint holds, and putting it back.
+
+``<run dir>/checkpoints/step_N/`` (written atomically by weir.train.checkpoint):
+
+- ``model/``: the policy as a standard HF directory (safetensors, config, tokenizer): `weir export`
+  copies it, and resuming loads its tensors into the trainer's model;
+- ``trainer.pt``: optimizer and LR-schedule state, the KL coefficient, update counters;
+- ``rng.pt``: Python, NumPy and torch RNG states and the engine's seed stream;
+- ``state.json``: step, weight version, data-iterator position, the evaluations so far;
+- ``buffer.pt`` (asynchronous loop): groups generated but not yet trained, and the rows still being
+  generated, which are rolled out again on resume so no prompt is lost.
+
+With these, a sync run killed at any point and resumed from its newest checkpoint continues exactly
+as if it had not been stopped (tests/loop/test_resume.py kills runs and compares metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from weir.train.checkpoint import read_manifest, write_checkpoint
+from weir.train.model import save_model
+
+if TYPE_CHECKING:
+    from weir.loop.components import Components
+    from weir.loop.run import Run
+
+
+def save_run_checkpoint(
+    run: Run, parts: Components, step: int, buffer: dict[str, Any] | None = None
+) -> Path:
+    """Write checkpoint `step` of `run` (keeping run.keep_checkpoints) and return its directory."""
+
+    def write(tmp: Path) -> None:
+        save_model(parts.trained_model(), parts.tokenizer, tmp / "model")
+        torch.save(parts.trainer.state_dict(), tmp / "trainer.pt")
+        torch.save(
+            {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "engine": parts.engine.state_dict()
+                if hasattr(parts.engine, "state_dict")
+                else None,
+            },
+            tmp / "rng.pt",
+        )
+        if buffer is not None:
+            torch.save(buffer, tmp / "buffer.pt")
+        state = {
+            "step": step,
+            "version": run.version,
+            "prompts": buffer["prompts"] if buffer else parts.prompts.state_dict(),
+            "evals": run.evals,
+        }
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+
+    return write_checkpoint(
+        run.dir / "checkpoints",
+        step,
+        write,
+        meta={"version": run.version, "run": run.cfg.run.name},
+        keep=run.cfg.run.keep_checkpoints,
+    )
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Load the safetensors of an HF directory into `model` in place.
+
+    HF leaves tied weights (e.g. lm_head = embed_tokens) out of the file; those are the only keys
+    allowed to be missing.
+    """
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    result = model.load_state_dict(state, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
+        name for name, _ in model.named_parameters()
+    }
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint {model_dir} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:5]}; was model.path changed?"
+        )
+
+
+def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str, Any] | None:
+    """Load checkpoint `path` into the run and its components; returns the saved buffer, if any."""
+    state = json.loads((path / "state.json").read_text())
+    load_weights(parts.model, path / "model")
+    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    if getattr(parts, "cluster", None) is not None:  # Ray: the ranks take the weights too
+        trainer_state["model"] = parts.model.state_dict()
+    parts.trainer.load_state_dict(trainer_state)
+    parts.prompts.load_state_dict(state["prompts"])
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    run.version, run.last_step = state["version"], state["step"]
+    run.evals = state["evals"]
+    asyncio.run(parts.engine.update_weights(parts.trainer.weights(), run.version))
+    if rng["engine"] is not None and hasattr(parts.engine, "load_state_dict"):
+        parts.engine.load_state_dict(rng["engine"])
+    buffer = path / "buffer.pt"
+    return torch.load(buffer, weights_only=False) if buffer.exists() else None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(read_manifest(path)["step"])
