@@ -333,6 +333,8 @@ class TrainerGroup:
         self.call("load_trainer_state", ray.put(state))
 
     def save(self, path: str) -> None:
+        """Sharded DCP checkpoint of model, optimizer and schedule (every rank writes its part)."""
+        self.call("save", str(path))
 
     def load(self, path: str) -> None:
         self.call("load", str(path))
