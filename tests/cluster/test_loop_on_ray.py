@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -17,6 +18,7 @@ SMALL = {
     "rollout": {"n": 2, "batch_prompts": 4, "max_new_tokens": 4},
     "telemetry": {"console": False},
 }
+RAY_KEYS = ("cluster/engine_retries", "cluster/engine_restarts")
 RAY = [
     "cluster.type=ray",
     "cluster.trainer.ranks=2",
@@ -48,6 +50,9 @@ def test_the_loop_runs_on_ray(ray_local, tmp_path, mode):
     assert weights_hash(saved) != weights_hash(initial)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("sync/mb_per_s" in x for x in lines)
+    doc = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    for key in ("sync/gather_s", "sync/deliver_s", "sync/mb", "sync/mb_per_s", *RAY_KEYS):
+        assert any(key in x for x in lines) and f"| `{key}` |" in doc, key
     if mode == "sync":  # resume from the final checkpoint: weights and optimizer go to the ranks
         more = weir.run(
             {**SMALL, "run": {**SMALL["run"], "steps": 3}},

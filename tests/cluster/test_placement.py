@@ -27,6 +27,10 @@ def test_local_is_the_default_and_one_process():
     assert isinstance(make_cluster(cfg.cluster), LocalCluster)
     with pytest.raises(ValueError, match="cluster.type=ray"):
         build_config({"data": {"task": "arithmetic"}}, ["cluster.trainer.ranks=2"])
+    with pytest.raises(ValueError, match="run.deterministic needs cluster.type=local"):
+        build_config(
+            {"data": {"task": "arithmetic"}}, ["cluster.type=ray", "run.deterministic=true"]
+        )
 
 
 def test_colocated_engines_share_the_trainer_bundles(ray_local):

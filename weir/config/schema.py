@@ -373,6 +373,11 @@ class Config(Section):
                 "cluster.trainer.ranks / cluster.engines.replicas > 1 need cluster.type=ray "
                 "(the local cluster is one process)"
             )
+        if cl.type == "ray" and self.run.deterministic:
+            raise ValueError(
+                "run.deterministic needs cluster.type=local (on Ray the replica serving each request "
+                "depends on timing)"
+            )
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
         return self
