@@ -315,6 +315,54 @@ class AgentConfig(Section):
     """gamma in env_return = sum_t gamma^t r_t over the environment's per-step rewards."""
 
 
+class ClusterTrainerConfig(Section):
+    ranks: int = Field(1, ge=1)
+    """Trainer ranks (one FSDP2 process group; gloo on CPU, NCCL on GPU); > 1 needs cluster.type=ray."""
+    cpus_per_rank: float = Field(1.0, ge=0)
+    """Ray CPUs reserved per trainer rank (logical resources)."""
+    gpus_per_rank: float = Field(0.0, ge=0)
+    """Ray GPUs per trainer rank; > 0 trains on CUDA with NCCL."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray custom resources per rank, e.g. {trainer_node: 1} to pin ranks to labelled nodes."""
+
+
+class ClusterEnginesConfig(Section):
+    replicas: int = Field(1, ge=1)
+    """Engine replicas (Ray actors behind one router); > 1 needs cluster.type=ray."""
+    cpus: float = Field(1.0, ge=0)
+    """Ray CPUs per engine replica."""
+    gpus: float = Field(0.0, ge=0)
+    """Ray GPUs per engine replica."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray custom resources per replica, e.g. {engine_node: 1}."""
+    max_restarts: int = Field(2, ge=0)
+    """How often Ray restarts a replica that died; it rejoins with the current weights."""
+
+
+class ClusterConfig(Section):
+    type: Literal["local", "ray"] = "local"
+    """local: one process (engine and trainer in threads); ray: trainer ranks and engines as Ray actors."""
+    address: str | None = None
+    """Ray cluster to join (`auto` for the cluster `ray start` made on this node); None starts a local one."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of a Ray instance started here (address None); None lets Ray count the cores."""
+    trainer: ClusterTrainerConfig = Field(default_factory=ClusterTrainerConfig)
+    """Trainer ranks and their resources."""
+    engines: ClusterEnginesConfig = Field(default_factory=ClusterEnginesConfig)
+    """Engine replicas and their resources."""
+    colocate: bool = False
+    """Place each engine replica in a trainer rank's bundle (sharing its CPUs/GPUs) instead of its own."""
+    weight_sync: Literal["auto", "broadcast", "disk", "object_store"] = "auto"
+    """Transport of new weights to Ray engines: broadcast (torch.distributed), disk (safetensors), or
+    object_store (Ray's); auto = broadcast."""
+    sync_dir: str | None = None
+    """Directory of the disk transport (shared by trainer and engines); default <run dir>/weights."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Size of one broadcast bucket of the weight sync."""
+    reward_workers: int = Field(2, ge=0)
+    """On Ray, score rewards in this many Ray actors (off the driver); 0 scores in driver threads."""
+
+
 class Config(Section):
     """The whole run. Load from YAML with `load_config`; override with dotted keys."""
 
@@ -332,6 +380,7 @@ class Config(Section):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -371,6 +420,17 @@ class Config(Section):
         if self.run.deterministic and self.loop.mode != "sync":
             raise ValueError(
                 "run.deterministic needs loop.mode=sync (the async loop's batches depend on timing)"
+            )
+        cl = self.cluster
+        if cl.type == "local" and (cl.trainer.ranks > 1 or cl.engines.replicas > 1):
+            raise ValueError(
+                "cluster.trainer.ranks / cluster.engines.replicas > 1 need cluster.type=ray "
+                "(the local cluster is one process)"
+            )
+        if cl.type == "ray" and self.run.deterministic:
+            raise ValueError(
+                "run.deterministic needs cluster.type=local (on Ray the replica serving each request "
+                "depends on timing)"
             )
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")

@@ -105,7 +105,7 @@ def run_async(
         return finish(run, parts, buffer=producer.snapshot)
     finally:
         producer.stop()
-        parts.engine.close()
+        parts.close()
         run.close()
 
 

@@ -40,7 +40,7 @@ def save_run_checkpoint(
     """Write checkpoint `step` of `run` (keeping run.keep_checkpoints) and return its directory."""
 
     def write(tmp: Path) -> None:
-        save_model(parts.model, parts.tokenizer, tmp / "model")
+        save_model(parts.trained_model(), parts.tokenizer, tmp / "model")
         torch.save(parts.trainer.state_dict(), tmp / "trainer.pt")
         torch.save(
             {
@@ -100,7 +100,10 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
     """Load checkpoint `path` into the run and its components; returns the saved buffer, if any."""
     state = json.loads((path / "state.json").read_text())
     load_weights(parts.model, path / "model")
-    parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    if getattr(parts, "cluster", None) is not None:  # Ray: the ranks take the weights too
+        trainer_state["model"] = parts.model.state_dict()
+    parts.trainer.load_state_dict(trainer_state)
     parts.prompts.load_state_dict(state["prompts"])
     rng = torch.load(path / "rng.pt", weights_only=False)
     random.setstate(rng["python"])

@@ -40,6 +40,20 @@ class Components:
     eval_ctx: RolloutContext
     rollout_fn: Callable
     keep: Callable | None
+    sync: Any = None  # cluster.type=ray: the WeightSync from trainer rank 0 to the engine replicas
+    cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
+
+    def close(self) -> None:
+        """Stop the engine (and on Ray the trainer ranks and the placement groups)."""
+        self.engine.close()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+    def trained_model(self) -> torch.nn.Module:
+        """The driver's model holding the trainer's current weights (fetched from Ray ranks)."""
+        if self.cluster is not None:
+            self.model.load_state_dict(dict(self.trainer.weights()))
+        return self.model
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
@@ -173,10 +187,14 @@ def load_run_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(cfg.run.seed)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    path = resolve_model_path(
+    return load_model(run_model_path(cfg, run_dir), cfg.model.dtype)
+
+
+def run_model_path(cfg: Config, run_dir: Path) -> str:
+    """The model directory (a `tiny:` model is built next to the run directory once)."""
+    return resolve_model_path(
         cfg.model.path, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed
     )
-    return load_model(path, cfg.model.dtype)
 
 
 def build(
@@ -189,9 +207,29 @@ def build(
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     model, tokenizer = load_run_model(cfg, run_dir)
-    trainer = Actor(model, cfg)
-    engine = make_engine(cfg, model, tokenizer)
+    ray_parts = None
+    if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
+        from weir.loop.ray_build import build_ray
+
+        ray_parts = build_ray(cfg, run_dir, run_model_path(cfg, run_dir))
+        trainer, engine = ray_parts.trainer, ray_parts.router
+    else:
+        trainer = Actor(model, cfg)
+        engine = make_engine(cfg, model, tokenizer)
+    try:
+        return _components(
+            cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter
+        )
+    except BaseException:
+        if ray_parts is not None:
+            ray_parts.shutdown()
+        raise
+
+
+def _components(cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter):
     ctx, eval_ctx = make_contexts(cfg, engine, tokenizer, reward)
+    if ray_parts is not None and cfg.cluster.reward_workers:
+        ctx.reward_fn = eval_ctx.reward_fn = ray_parts.rewards(ctx.reward_fn)
     spec = filter or cfg.rollout.filter
     return Components(
         model=model,
@@ -209,4 +247,6 @@ def build(
         eval_ctx=eval_ctx,
         rollout_fn=resolve(rollout or cfg.rollout.function, {}, "rollout.function"),
         keep=resolve(spec, {}, "rollout.filter") if spec else None,
+        sync=ray_parts.sync if ray_parts is not None else None,
+        cluster=ray_parts,
     )

@@ -62,7 +62,7 @@ def run_sync(
         return finish(run, parts)
     finally:
         if parts is not None:
-            parts.engine.close()
+            parts.close()
         run.close()
 
 
@@ -81,7 +81,9 @@ def finish(run: Run, parts: Components, buffer: Callable | None = None) -> RunRe
     if run.cfg.run.checkpoint_every:
         run.checkpoint(parts, run.last_step, force=True, buffer=buffer)
     save = run.cfg.run.save_model
-    model_dir = save_model(parts.model, parts.tokenizer, run.dir / "model") if save else None
+    model_dir = (
+        save_model(parts.trained_model(), parts.tokenizer, run.dir / "model") if save else None
+    )
     return RunResult(run.dir, run.history, run.evals, model_dir)
 
 
@@ -89,6 +91,9 @@ def push_weights(parts: Components, version: int) -> dict[str, float]:
     """Send the trainer's weights to the engine (in-process) and stamp the new version."""
     start = time.perf_counter()
     with span("sync", version=version):
+        sync = getattr(parts, "sync", None)  # cluster.type=ray: trainer rank 0 -> the engines
+        if sync is not None:
+            return sync.push(version)
         asyncio.run(parts.engine.update_weights(parts.trainer.weights(), version))
     return {"time/sync": time.perf_counter() - start}
 

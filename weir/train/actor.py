@@ -52,7 +52,7 @@ class Actor:
             self.acfg.policy_loss, algo.POLICY_LOSSES, kind="algo.policy_loss"
         )
         kl = self.acfg.kl
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if kl.coef > 0 else None
+        self.ref = self._reference(model) if kl.coef > 0 else None
         if kl.adaptive_target is not None:
             self.kl_ctl = algo.AdaptiveKLController(
                 kl.coef, kl.adaptive_target, kl.adaptive_horizon
@@ -92,6 +92,37 @@ class Actor:
             **self.acfg.loss_options,
         )
 
+    # -- data-parallel hooks: one process trains everything; weir.train.distributed overrides them --
+
+    def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The frozen reference policy for KL: a copy of the initial model."""
+        return copy.deepcopy(model).eval().requires_grad_(False)
+
+    def _micro_batches(self, indices: list[int], seqs: list[list[int]]) -> list[list[int]]:
+        """The micro-batches (lists of row indices) this process runs for rows `indices`.
+
+        An empty list is a padding micro-batch: other ranks have more, and collectives must stay
+        in step (see `_idle_pass`).
+        """
+        budget = self.tcfg.micro_batch_tokens
+        return [
+            [indices[j] for j in local]
+            for local in pack_by_tokens([len(seqs[i]) for i in indices], budget)
+        ]
+
+    def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
+        """Run a padding micro-batch (a no-op for one process)."""
+
+    def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows computed here, zeros elsewhere -> the rows of every rank."""
+        return rows
+
+    def _reduce_metrics(
+        self, sums: dict[str, float], peaks: dict[str, float]
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Per-process metric sums and maxima -> those of all ranks."""
+        return sums, peaks
+
     @property
     def needs_recompute(self) -> bool:
         return (
@@ -105,7 +136,10 @@ class Actor:
         """(B, T) log-probs of the batch's response tokens under `model`, without gradients."""
         out = torch.zeros_like(batch.response_mask)
         seqs, lens = batch.sequences, batch.response_lengths
-        for idx in pack_by_tokens([len(s) for s in seqs], self.tcfg.micro_batch_tokens):
+        for idx in self._micro_batches(list(range(len(seqs))), seqs):
+            if not idx:
+                self._idle_pass(model, backward=False)
+                continue
             with span("logprobs", cat="train", sequences=len(idx)):
                 res = packed_response_logprobs(
                     model,
@@ -115,7 +149,7 @@ class Actor:
                     pad_to=out.shape[1],
                 )
             out[idx] = res.logprobs
-        return out
+        return self._combine_rows(out)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One RL step of updates on `batch`; returns metrics (loss, clip fraction, KL, grad norm...)."""
@@ -196,6 +230,10 @@ class Actor:
                     sums[k] += v * tok
         stats.update({k: v / max(n_tokens, 1.0) for k, v in sums.items()})
         stats.update(peaks)
+        totals, _ = self._reduce_metrics(
+            {"diff": self._mismatch_sums[0], "tokens": self._mismatch_sums[1]}, {}
+        )
+        self._mismatch_sums = [totals.get("diff", 0.0), totals.get("tokens", 0.0)]
         if self._mismatch_sums[1]:
             stats["mismatch/abs_logp_diff"] = self._mismatch_sums[0] / self._mismatch_sums[1]
         finite = [g for g in grad_norms if math.isfinite(g)]
@@ -224,8 +262,10 @@ class Actor:
             self.updates += 1
             return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
         self.optimizer.zero_grad(set_to_none=True)
-        for local in pack_by_tokens([len(seqs[i]) for i in mb], self.tcfg.micro_batch_tokens):
-            idx = [mb[j] for j in local]
+        for idx in self._micro_batches(mb, seqs):
+            if not idx:
+                self._idle_pass(self.model, backward=True)
+                continue
             with span("forward", cat="train", sequences=len(idx)):
                 out = packed_response_logprobs(
                     self.model,
@@ -278,10 +318,14 @@ class Actor:
                 diff = (out.logprobs.detach() - batch.rollout_logprobs[idx]) * policy
                 self._mismatch_sums[0] += diff.abs().sum().item()
                 self._mismatch_sums[1] += policy.sum().item()
+        sums, peaks = self._reduce_metrics(sums, peaks)
         with span("optimizer", cat="train"):
             params = [p for p in self.model.parameters() if p.grad is not None]
             clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm
+                norm = norm.full_tensor()
+            norm = norm.item()
             if math.isfinite(norm):
                 self.optimizer.step()
             else:

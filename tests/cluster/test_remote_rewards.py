@@ -1,0 +1,63 @@
+"""Rewards scored in Ray actors: off the driver, failures contained, timeouts honoured."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from weir.cluster.rewards import RewardPool
+from weir.data.sample import Sample, Status
+from weir.rollout.rewards import score
+
+
+def where(sample, row):
+    time.sleep(0.05)
+    return {"reward": float(row["answer"] == "4"), "pid": float(os.getpid())}
+
+
+def slow(sample, row):
+    time.sleep(60)
+    return 1.0
+
+
+def broken(sample, row):
+    raise ValueError("no answer tag")
+
+
+async def async_reward(sample, row):
+    await asyncio.sleep(0)
+    return 0.5
+
+
+def _score(fn, n: int = 1, timeout_s=None, workers: int = 1) -> list[Sample]:
+    pool = RewardPool(fn, workers=workers, num_cpus=0.1)
+    samples = [Sample(prompt_ids=[1], response_ids=[2, 3]) for _ in range(n)]
+
+    async def go():
+        await asyncio.gather(
+            *(score(pool.reward, s, {"answer": "4"}, timeout_s=timeout_s) for s in samples)
+        )
+
+    try:
+        asyncio.run(go())
+    finally:
+        pool.shutdown()
+    return samples
+
+
+def test_rewards_run_in_ray_actors_and_fail_contained(ray_local):
+    got = _score(where, n=6, workers=2)
+    assert all(s.reward == 1.0 for s in got)
+    pids = {s.reward_info["pid"] for s in got}
+    assert len(pids) == 2 and os.getpid() not in pids  # both workers used, neither is the driver
+    assert _score(async_reward)[0].reward == 0.5
+    bad = _score(broken)[0]
+    assert (
+        bad.status == Status.FAILED and "ValueError" in bad.error and "no answer tag" in bad.error
+    )
+    assert "broken" in bad.error  # the message names the user's function
+    start = time.perf_counter()
+    late = _score(slow, timeout_s=1.0)[0]
+    assert late.status == Status.FAILED and "timeout" in late.error
+    assert time.perf_counter() - start < 15

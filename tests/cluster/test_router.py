@@ -1,0 +1,130 @@
+"""Engine replicas behind the router: balanced, n samples on one replica, survive a dead replica."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from weir.cluster import TrainerFailed
+from weir.config import build_config
+from weir.engine.base import SamplingParams
+from weir.loop.ray_build import build_ray
+
+
+def _cfg(*extra: str):
+    return build_config(
+        {},
+        [
+            "rollout.batch_prompts=2",
+            "rollout.n=4",
+            "train.lr=1e-2",
+            "cluster.type=ray",
+            "cluster.engines.replicas=2",
+            "cluster.trainer.cpus_per_rank=0.5",
+            "cluster.engines.cpus=0.5",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def parts(ray_local, tiny_model_dir, tmp_path_factory):
+    p = build_ray(_cfg(), tmp_path_factory.mktemp("run"), str(tiny_model_dir))
+    yield p
+    p.shutdown()
+
+
+def _requests(parts) -> list[int]:
+    return [int(s["requests"]) for s in ray.get([r.stats.remote() for r in parts.router.replicas])]
+
+
+def test_requests_spread_by_outstanding_and_n_samples_stay_together(parts):
+    before = _requests(parts)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=4)
+
+    async def go():
+        return await asyncio.gather(
+            *[parts.router.generate([5, 6, 7, i], params) for i in range(8)]
+        )
+
+    out = asyncio.run(go())
+    assert [len(c) for c in out] == [3] * 8  # each prompt's 3 samples came back together
+    after = _requests(parts)
+    assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]  # one request = one prompt
+
+
+def _push_one_version(parts):
+    """Train one step and push it, so that a restarted replica has something to catch up on."""
+    import torch
+
+    from weir.data.sample import Group, Sample
+    from weir.train.batch import make_batch
+
+    g = torch.Generator().manual_seed(0)
+    groups = [
+        Group(
+            samples=[
+                Sample(
+                    prompt_ids=[7, 8, 9, gid],
+                    response_ids=torch.randint(6, 200, (3 + i,), generator=g).tolist(),
+                    versions=[0] * (3 + i),
+                    reward=float(i < 2),
+                    group_id=gid,
+                    index=i,
+                )
+                for i in range(4)
+            ],
+            group_id=gid,
+        )
+        for gid in range(2)
+    ]
+    parts.trainer.train(make_batch(groups, version=0))
+    parts.sync.push(parts.sync.version + 1)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_generation_is_retried_restarted_and_resynced(parts):
+    _push_one_version(parts)
+    version = parts.sync.version
+    victim = parts.router.replicas[0]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=48)
+
+    async def go():
+        tasks = [
+            asyncio.create_task(parts.router.generate([5, 6, 7, i], params)) for i in range(10)
+        ]
+        while (await victim.stats.remote())["generated_tokens"] == 0:
+            await asyncio.sleep(0.01)
+        ray.kill(victim, no_restart=False)  # Ray restarts it (max_restarts)
+        return await asyncio.gather(*tasks)
+
+    out = asyncio.run(go())
+    assert [len(c) for c in out] == [2] * 10  # the step's requests all completed
+    assert all(len(s.token_ids) > 0 for c in out for s in c)
+    assert parts.router.retries >= 1
+    assert parts.router.wait_healthy(120)
+    assert parts.router.restarts == 1 and all(parts.router.healthy)
+    want = ray.get(parts.trainer.rank0.weights_hash.remote())
+    assert ray.get(victim.version.remote()) == version
+    assert ray.get(victim.weights_hash.remote()) == want
+    # the broadcast group is re-formed with the restarted replica in it
+    _push_one_version(parts)
+    want = ray.get(parts.trainer.rank0.weights_hash.remote())
+    assert ray.get([r.weights_hash.remote() for r in parts.router.replicas]) == [want, want]
+
+
+def test_a_dead_trainer_rank_stops_with_a_clear_message(ray_local, tiny_model_dir):
+    from weir.cluster import RayCluster
+    from weir.train.distributed import TrainerGroup
+
+    cfg = _cfg("cluster.trainer.ranks=2", "cluster.engines.replicas=1")
+    cluster = RayCluster(cfg.cluster).start()
+    try:
+        group = TrainerGroup(cluster, cfg, str(tiny_model_dir))
+        ray.kill(group.ranks[1])
+        with pytest.raises(TrainerFailed, match="trainer rank 1 died"):
+            group.call("full_state")  # rank 0 would wait for rank 1 in the collective forever
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,73 @@
+"""Reward functions in a pool of Ray actors: scoring leaves the driver, so a slow or CPU-heavy
+reward neither holds the driver's GIL nor delays the requests it routes.
+
+The actors are long-lived (a warm process each, no start-up per call) and asynchronous: each
+scores many samples at once, sync functions in its worker threads. Calls go to the actor with
+the fewest in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class RewardWorker:
+    """One scoring process: calls `fn(sample, row)` (sync in a thread, async awaited)."""
+
+    def __init__(self, fn: Callable) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.fn = fn
+
+    async def score(self, sample: Any, row: Any) -> Any:
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(sample, row)
+        result = await asyncio.to_thread(self.fn, sample, row)
+        return await result if inspect.isawaitable(result) else result
+
+
+class RewardPool:
+    """`workers` RewardWorker actors for one reward function; `.reward` is the async callable
+    to put in the rollout context."""
+
+    def __init__(self, fn: Callable, workers: int = 2, num_cpus: float = 0.25) -> None:
+        import ray
+
+        remote = ray.remote(RewardWorker).options(num_cpus=num_cpus, max_restarts=-1)
+        self.actors = [remote.remote(fn) for _ in range(workers)]
+        self.load = [0] * workers
+        self._lock = threading.Lock()
+        self.reward = self._wrap(fn)
+
+    def _wrap(self, fn: Callable) -> Callable:
+        from ray.exceptions import RayTaskError
+
+        async def reward(sample: Any, row: Any) -> Any:
+            with self._lock:
+                i = min(range(len(self.actors)), key=lambda k: (self.load[k], k))
+                self.load[i] += 1
+            ref = self.actors[i].score.remote(sample, row)
+            try:
+                return await ref
+            except RayTaskError as err:
+                raise err.as_instanceof_cause() from None
+            finally:
+                with self._lock:
+                    self.load[i] -= 1
+
+        if hasattr(fn, "__name__"):  # error messages name the user's function
+            functools.update_wrapper(reward, fn)
+        return reward
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

@@ -1,0 +1,72 @@
+"""A `TorchEngine` inside a Ray actor, so that engine replicas can run anywhere in a cluster.
+
+The actor is asynchronous (its methods are coroutines): many `generate` calls are in flight at
+once and the TorchEngine batches them continuously in its own thread. Weight updates arrive
+between decode steps as in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from weir.config import Config
+from weir.engine.base import Completion, SamplingParams
+from weir.engine.torch_engine import TorchEngine
+
+
+class EngineWorker:
+    """One engine replica: loads `model_path` and serves the Engine protocol over Ray.
+
+    Args:
+        cfg: the run config (engine.*, model.dtype, run.seed).
+        model_path: a model directory this node can read (or a hub name).
+        index: the replica's index (its sampling seed is run.seed + index).
+    """
+
+    def __init__(self, cfg: Config, model_path: str, index: int) -> None:
+        from weir.train.model import eos_token_ids, load_model
+
+        torch.set_num_threads(1)
+        self.index = index
+        device = "cuda" if cfg.cluster.engines.gpus > 0 else "cpu"
+        model, tokenizer = load_model(model_path, cfg.model.dtype)
+        model = model.to(device).eval()
+        self.engine = TorchEngine(
+            model,
+            eos_token_ids=eos_token_ids(model, tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            max_batch_size=cfg.engine.max_batch_size,
+            seed=cfg.run.seed + index,
+            num_threads=1,
+        )
+
+    async def ping(self) -> int:
+        """The replica's pid (answers once the actor is up)."""
+        return os.getpid()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        return await self.engine.generate(prompt_ids, params)
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.engine.update_weights(state.items(), version)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def abort(self) -> None:
+        await self.engine.abort()
+
+    async def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    async def close(self) -> None:
+        self.engine.close()

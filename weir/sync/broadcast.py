@@ -1,0 +1,124 @@
+"""Bucketed broadcast of full weights over a torch.distributed group of its own.
+
+The group joins the trainer's rank 0 (root, group rank 0) and every engine (ranks 1..M). It is a
+standalone process group built from a TCPStore, not torch's default group: the trainer ranks
+already use that one for FSDP2, and the engines are not part of it. gloo on CPU, NCCL on GPU.
+
+Tensors travel in buckets: consecutive tensors of one dtype are flattened into one buffer of at
+most `bucket_bytes` (a larger tensor goes alone), so the number of collectives stays small and
+the extra memory is one bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to rebuild one tensor from a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @staticmethod
+    def of(name: str, t: Tensor) -> TensorMeta:
+        return TensorMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    """Split `metas` (in order) into buckets of one dtype and at most `bucket_bytes` each."""
+    buckets: list[list[TensorMeta]] = []
+    size = 0
+    for m in metas:
+        last = buckets[-1] if buckets else None
+        if last is None or last[0].dtype != m.dtype or size + m.nbytes > bucket_bytes:
+            buckets.append([m])
+            size = m.nbytes
+        else:
+            last.append(m)
+            size += m.nbytes
+    return buckets
+
+
+class BroadcastGroup:
+    """One member of a weight-broadcast group (rank 0 sends, the others receive).
+
+    Every member must construct it at about the same time (rendezvous through rank 0's TCPStore
+    at `host:port`).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        size: int,
+        *,
+        backend: str = "gloo",
+        name: str = "weir-sync",
+        timeout_s: float = 600.0,
+    ) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.size, self.backend = rank, size, backend
+        self.store = dist.TCPStore(
+            host, port, size, rank == 0, timeout=timeout, wait_for_workers=False
+        )
+        prefix = dist.PrefixStore(name, self.store)
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, size)
+        else:
+            self.device = torch.device("cpu")
+            self.pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+    def _broadcast(self, buf: Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([buf], opts).wait()
+
+    def send(self, state: Mapping[str, Tensor], buckets: list[list[TensorMeta]]) -> int:
+        """Root: broadcast `state` bucket by bucket; returns the bytes sent."""
+        assert self.rank == 0, "only rank 0 sends"
+        sent = 0
+        for bucket in buckets:
+            flat = torch.cat([state[m.name].detach().reshape(-1).to(self.device) for m in bucket])
+            self._broadcast(flat)
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def recv(self, buckets: list[list[TensorMeta]]) -> dict[str, Tensor]:
+        """Receiver: the tensors of every bucket, by name."""
+        assert self.rank != 0, "rank 0 sends"
+        out: dict[str, Tensor] = {}
+        for bucket in buckets:
+            flat = torch.empty(
+                sum(m.numel for m in bucket), dtype=bucket[0].torch_dtype, device=self.device
+            )
+            self._broadcast(flat)
+            for m, part in zip(bucket, flat.split([m.numel for m in bucket]), strict=True):
+                out[m.name] = part.view(m.shape)
+        return out

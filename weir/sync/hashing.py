@@ -1,0 +1,27 @@
+"""A content hash of named tensors, to check that two copies of a model hold the same weights."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+def weights_hash(
+    named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    names: Iterable[str] | None = None,
+) -> str:
+    """sha256 over (name, dtype, shape, bytes) of each tensor, in name order.
+
+    `names` restricts the hash to those names (e.g. the trainer's parameters, leaving out an
+    engine's non-persistent buffers).
+    """
+    items = dict(named.items() if isinstance(named, Mapping) else named)
+    keep = sorted(items if names is None else names)
+    h = hashlib.sha256()
+    for name in keep:
+        t = items[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
