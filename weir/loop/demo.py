@@ -43,7 +43,14 @@ def run_demo(
     t_sft = time.perf_counter() - t0
     console.rule("2/2 reinforcement learning (GRPO)")
     rl_cfg = load_config(  # a demo starts fresh, even where an older demo left checkpoints
-        path, ["run.resume=never", *overrides, f"run.dir={out / 'rl'}", f"model.path={sft_model}"]
+        path,
+        [
+            "run.resume=never",
+            "telemetry.dump_rollouts=true",  # sample responses for the report
+            *overrides,
+            f"run.dir={out / 'rl'}",
+            f"model.path={sft_model}",
+        ],
     )
     result = run_sync(rl_cfg)
     total = time.perf_counter() - t0
@@ -85,4 +92,10 @@ def run_demo(
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps(summary, indent=2))
+    try:
+        from weir.telemetry.report import build_report
+
+        console.print(f"report (curves, timeline, samples): {build_report(result.dir).html}")
+    except Exception as err:  # the demo's result stands without its report
+        console.print(f"[yellow]no report: {type(err).__name__}: {err}[/yellow]")
     return summary

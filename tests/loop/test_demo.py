@@ -1,0 +1,28 @@
+"""`weir demo` end to end at toy size: SFT, RL, the before/after summary and the run's report."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from weir.loop.demo import run_demo
+
+
+def test_demo_writes_its_summary_and_report(tmp_path, capfd):
+    console = Console(record=True, width=200)
+    overrides = ["sft.rows=300", "sft.epochs=1", "run.steps=3", "data.eval_size=20"]
+    summary = run_demo("arithmetic", tmp_path, overrides, console=console)
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved == summary and summary["rl_steps"] == 3 and summary["eval_prompts"] == 20
+    assert 0.0 <= summary["accuracy_after_rl_last3_mean"] <= 1.0
+    report = tmp_path / "rl" / "report" / "report.html"
+    assert report.exists() and str(report) in console.export_text()
+    assert list((tmp_path / "rl" / "rollouts").glob("step_*.jsonl"))  # samples for the report
+    # a second demo into the same directory starts fresh instead of resuming the first
+    capfd.readouterr()
+    again = run_demo("arithmetic", tmp_path, overrides, console=Console(record=True))
+    assert again["rl_steps"] == 3
+    steps = [json.loads(line)["step"] for line in (tmp_path / "rl" / "metrics.jsonl").open()]
+    assert steps == [0, 1, 2, 3]
+    assert "resumed" not in capfd.readouterr().err
