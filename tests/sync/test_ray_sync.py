@@ -10,6 +10,7 @@ from weir.cluster import RayCluster
 from weir.config import build_config
 from weir.data.sample import Group, Sample
 from weir.engine.router import Router
+from weir.loop.ray_build import load_for_engine
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
 from weir.train.batch import make_batch
@@ -57,7 +58,9 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
         trainer = TrainerGroup(cluster, cfg, str(tiny_model_dir), rank_cls=SyncTrainerRank)
         worker = ray.remote(SyncEngineWorker)
         engines = [
-            worker.options(**cluster.engine_options(i)).remote(cfg, str(tiny_model_dir), i)
+            worker.options(**cluster.engine_options(i)).remote(
+                cfg, str(tiny_model_dir), i, load_for_engine
+            )
             for i in range(2)
         ]
         router = Router(engines)

@@ -8,7 +8,7 @@ between decode steps as in one process.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -24,19 +24,22 @@ class EngineWorker:
         cfg: the run config (engine.*, model.dtype, run.seed).
         model_path: a model directory this node can read (or a hub name).
         index: the replica's index (its sampling seed is run.seed + index).
+        load: `(model_path, dtype) -> (model, tokenizer, eos_token_ids)`, a module-level function
+            (Ray ships it by reference). The driver passes the trainer's loader, so both sides run
+            the same HF class, without this package importing training code.
     """
 
-    def __init__(self, cfg: Config, model_path: str, index: int) -> None:
-        from weir.train.model import eos_token_ids, load_model
-
+    def __init__(
+        self, cfg: Config, model_path: str, index: int, load: Callable[..., tuple]
+    ) -> None:
         torch.set_num_threads(1)
         self.index = index
         device = "cuda" if cfg.cluster.engines.gpus > 0 else "cpu"
-        model, tokenizer = load_model(model_path, cfg.model.dtype)
+        model, tokenizer, eos_ids = load(model_path, cfg.model.dtype)
         model = model.to(device).eval()
         self.engine = TorchEngine(
             model,
-            eos_token_ids=eos_token_ids(model, tokenizer),
+            eos_token_ids=eos_ids,
             pad_token_id=tokenizer.pad_token_id,
             max_batch_size=cfg.engine.max_batch_size,
             seed=cfg.run.seed + index,

@@ -40,6 +40,14 @@ class RayParts:
         self.cluster.shutdown()
 
 
+def load_for_engine(model_path: str, dtype: str) -> tuple[Any, Any, list[int]]:
+    """How an engine replica loads its model: the trainer's loader, so both run the same HF class."""
+    from weir.train.model import eos_token_ids, load_model
+
+    model, tokenizer = load_model(model_path, dtype)
+    return model, tokenizer, eos_token_ids(model, tokenizer)
+
+
 def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
     """Start (or join) Ray, place trainer ranks and engines, connect the weight sync."""
     import ray
@@ -50,7 +58,7 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
         trainer = TrainerGroup(cluster, cfg, model_path, rank_cls=SyncTrainerRank)
         remote = ray.remote(SyncEngineWorker)
         replicas = [
-            remote.options(**cluster.engine_options(i)).remote(cfg, model_path, i)
+            remote.options(**cluster.engine_options(i)).remote(cfg, model_path, i, load_for_engine)
             for i in range(c.engines.replicas)
         ]
         ray.get([r.ping.remote() for r in replicas])
