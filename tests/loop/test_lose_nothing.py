@@ -199,3 +199,18 @@ def test_nonfinite_gradient_skips_the_update_and_counts_it(tiny_model_dir):
 
 def first_sample_reward(sample, row):
     return 1.0 if sample.index == 0 else 0.0
+
+
+def test_resumed_tensorboard_shows_each_step_once(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    cfg = {**BASE, "telemetry": {"console": False, "tensorboard": True}}
+    weir.run(cfg, [f"run.dir={run_dir}"])
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    result = weir.run(cfg, [f"run.dir={run_dir}"])  # resumes at step 2: steps 3 and 4 again
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    rewards = acc.Scalars("reward/mean")
+    assert [e.step for e in rewards] == [1, 2, 3, 4]
+    assert rewards[-1].value == pytest.approx(result.history[-1]["reward/mean"], abs=1e-6)

@@ -101,7 +101,8 @@ class Run:
             else:
                 sinks.append(JsonlSink(run_dir / "metrics.jsonl", append=append))
         if cfg.telemetry.tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            purge = start + 1 if resume_from else None
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", purge_step=purge))
         if cfg.telemetry.wandb:
             sinks.append(wandb_sink(cfg, run_dir))
         if cfg.telemetry.console:

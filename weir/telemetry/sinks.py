@@ -154,14 +154,16 @@ def console_sink(
 class TensorBoardSink:
     """Scalars for TensorBoard (needs the `tensorboard` package: pip install 'weir[tensorboard]')."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
+        """`purge_step`: a resumed run's first step; TensorBoard drops the earlier attempt's events
+        from that step on, so the replayed steps are not shown twice."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise ValueError(
                 "telemetry.tensorboard=true needs the tensorboard package: pip install 'weir[tensorboard]'"
             ) from err
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
