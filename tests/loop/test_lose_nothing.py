@@ -43,6 +43,10 @@ def test_resume_choices(tmp_path, capsys):
     assert [r["step"] for r in _records(run_dir)] == [0, 1, 2, 3, 4]  # 3 and 4 written again
     assert len(result.history) == 5 and "eval/accuracy" in result.history[-1]
 
+    # a finished run says so instead of silently doing nothing
+    weir.run(BASE, [f"run.dir={run_dir}"])
+    assert "already reached run.steps=4" in capsys.readouterr().err
+
     # changing the config is allowed but named
     weir.run(BASE, [f"run.dir={run_dir}", "run.steps=5", "train.lr=1e-4"])
     assert "changed config" in capsys.readouterr().err

@@ -126,6 +126,11 @@ class Run:
         buffer = restore_run_checkpoint(self.resume_from, self, parts)
         self.last_checkpoint = self.start_step
         say(f"resumed from {self.resume_from} (step {self.start_step}, version {self.version})")
+        if self.start_step >= self.cfg.run.steps:
+            say(
+                f"the run already reached run.steps={self.cfg.run.steps}; raise run.steps to train "
+                "on, or set run.resume=never to start over"
+            )
         return buffer
 
     @property
