@@ -12,3 +12,25 @@ def tiny_model_dir(tmp_path_factory):
     from weir.tasks.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local(_ray_session):
+    """A small local Ray (4 logical CPUs; the machine has fewer cores), shared by the test modules
+    that use it and stopped at the end of the session."""
+    ray = pytest.importorskip("ray")
+    from weir.cluster.ray_cluster import driver_env
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=driver_env())
+    return ray

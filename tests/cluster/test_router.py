@@ -57,30 +57,10 @@ def test_requests_spread_by_outstanding_and_n_samples_stay_together(parts):
 
 def _push_one_version(parts):
     """Train one step and push it, so that a restarted replica has something to catch up on."""
-    import torch
-
-    from weir.data.sample import Group, Sample
+    from tests.toy import toy_groups
     from weir.train.batch import make_batch
 
-    g = torch.Generator().manual_seed(0)
-    groups = [
-        Group(
-            samples=[
-                Sample(
-                    prompt_ids=[7, 8, 9, gid],
-                    response_ids=torch.randint(6, 200, (3 + i,), generator=g).tolist(),
-                    versions=[0] * (3 + i),
-                    reward=float(i < 2),
-                    group_id=gid,
-                    index=i,
-                )
-                for i in range(4)
-            ],
-            group_id=gid,
-        )
-        for gid in range(2)
-    ]
-    parts.trainer.train(make_batch(groups, version=0))
+    parts.trainer.train(make_batch(toy_groups(), version=0))
     parts.sync.push(parts.sync.version + 1)
 
 

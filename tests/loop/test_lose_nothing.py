@@ -183,11 +183,12 @@ def test_slow_and_raising_rewards_fail_their_samples_and_are_counted(tmp_path):
 
 def test_nonfinite_gradient_skips_the_update_and_counts_it(tiny_model_dir):
     """An overflow in backward (here: an inf gradient injected by a hook) must not reach the weights."""
-    from tests.train.test_actor import _actor, _groups
+    from tests.toy import toy_groups
+    from tests.train.test_actor import _actor
     from weir.train.batch import make_batch
 
     actor = _actor(tiny_model_dir)
-    batch = make_batch(_groups(), version=0)
+    batch = make_batch(toy_groups(), version=0)
     batch.rollout_logprobs = actor.logprobs(actor.model, batch)
     param = actor.model.get_input_embeddings().weight
     hook = param.register_hook(lambda g: g * float("inf"))

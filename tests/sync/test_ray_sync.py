@@ -4,38 +4,16 @@ from __future__ import annotations
 
 import pytest
 import ray
-import torch
 
+from tests.toy import toy_groups
 from weir.cluster import RayCluster
 from weir.config import build_config
-from weir.data.sample import Group, Sample
 from weir.engine.router import Router
 from weir.loop.ray_build import load_for_engine
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
 from weir.train.batch import make_batch
 from weir.train.distributed import TrainerGroup
-
-
-def _groups() -> list[Group]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        Group(
-            samples=[
-                Sample(
-                    prompt_ids=[7, 8, 9, gid],
-                    response_ids=torch.randint(6, 200, (3 + i,), generator=g).tolist(),
-                    versions=[0] * (3 + i),
-                    reward=float(i < 2),
-                    group_id=gid,
-                    index=i,
-                )
-                for i in range(4)
-            ],
-            group_id=gid,
-        )
-        for gid in range(2)
-    ]
 
 
 @pytest.mark.slow
@@ -64,7 +42,7 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
             for i in range(2)
         ]
         router = Router(engines)
-        batch = make_batch(_groups(), version=0)
+        batch = make_batch(toy_groups(), version=0)
         initial = ray.get(engines[0].weights_hash.remote())
         for version, transport in enumerate(("broadcast", "disk", "object_store", "broadcast"), 1):
             sync = WeightSync(trainer, router, transport, disk_dir=tmp_path / "w", bucket_mb=0.25)

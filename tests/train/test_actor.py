@@ -6,35 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.toy import toy_groups
 from weir.config import build_config
 from weir.config.schema import SFTConfig
-from weir.data.sample import Group, Sample
 from weir.train.actor import Actor
 from weir.train.batch import make_batch
 from weir.train.sft import sft
-
-
-def _groups(seed: int = 0) -> list[Group]:
-    """Two prompts, four responses each, rewards 1 for the first two responses of each group."""
-    g = torch.Generator().manual_seed(seed)
-    groups = []
-    for gid in range(2):
-        prompt = torch.randint(6, 200, (5,), generator=g).tolist()
-        samples = []
-        for i in range(4):
-            resp = torch.randint(6, 200, (3 + i,), generator=g).tolist()
-            samples.append(
-                Sample(
-                    prompt_ids=prompt,
-                    response_ids=resp,
-                    versions=[0] * len(resp),
-                    reward=float(i < 2),
-                    group_id=gid,
-                    index=i,
-                )
-            )
-        groups.append(Group(samples=samples, group_id=gid))
-    return groups
 
 
 def _actor(model_dir, **overrides) -> Actor:
@@ -50,7 +27,7 @@ def _seq_logp(actor: Actor, batch) -> torch.Tensor:
 
 def test_policy_step_raises_rewarded_and_lowers_unrewarded(tiny_model_dir):
     actor = _actor(tiny_model_dir)
-    batch = make_batch(_groups(), version=0)
+    batch = make_batch(toy_groups(), version=0)
     batch.rollout_logprobs = actor.logprobs(actor.model, batch)  # on-policy behaviour log-probs
     before = _seq_logp(actor, batch)
     first = actor.train(batch)
@@ -70,7 +47,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(tiny_model_dir):
         actor = _actor(
             tiny_model_dir, **{"train.micro_batch_tokens": budget, "train.grad_clip": "null"}
         )
-        batch = make_batch(_groups(), version=0)
+        batch = make_batch(toy_groups(), version=0)
         batch.rollout_logprobs = actor.logprobs(actor.model, batch) - 0.05  # ratios != 1
         stats = actor.train(batch)
         pg_losses.append(stats["policy/pg_loss"])
@@ -94,7 +71,7 @@ def test_sft_lowers_loss_on_a_fixed_batch(tiny_model_dir):
 
 
 def test_a_batch_with_nothing_trainable_is_none():
-    groups = _groups()
+    groups = toy_groups()
     for g in groups:
         for s in g.samples:
             s.reward = None
@@ -102,7 +79,7 @@ def test_a_batch_with_nothing_trainable_is_none():
 
 
 def test_failed_and_empty_samples_are_dropped_and_counted():
-    groups = _groups()
+    groups = toy_groups()
     groups[0].samples[0].reward = None
     groups[1].samples[1].response_ids, groups[1].samples[1].loss_mask = [], []
     groups[1].samples[1].rollout_logprobs, groups[1].samples[1].versions = [], []
@@ -157,7 +134,7 @@ VARIANTS = {
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_every_algorithm_variant_trains(tiny_model_dir, name):
     actor = _actor(tiny_model_dir, **VARIANTS[name])
-    batch = make_batch(_groups(), version=0)
+    batch = make_batch(toy_groups(), version=0)
     batch.rollout_logprobs = (
         actor.logprobs(actor.model, batch) + 0.01
     )  # a small engine/trainer mismatch
@@ -176,7 +153,7 @@ def test_every_algorithm_variant_trains(tiny_model_dir, name):
 
 def test_a_mini_batch_emptied_by_masking_is_skipped(tiny_model_dir):
     actor = _actor(tiny_model_dir, **{"algo.correction.mode": "seq_mask", "train.mini_batches": 8})
-    batch = make_batch(_groups(), version=0)
+    batch = make_batch(toy_groups(), version=0)
     batch.rollout_logprobs = actor.logprobs(actor.model, batch)
     batch.rollout_logprobs[3] += 5.0  # sample 3 is rejected by sequence masking
     stats = actor.train(batch)  # used to raise: num_tokens == 0 for the mini-batch of sample 3
