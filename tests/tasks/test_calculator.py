@@ -12,7 +12,7 @@ import weir
 from weir.config import build_config
 from weir.config.schema import AgentConfig
 from weir.engine.base import Completion, SamplingParams
-from weir.loop.components import make_encoder
+from weir.loop.components import PromptEncoder
 from weir.rollout.env import ToolEnv
 from weir.rollout.multi_turn import agent_extras, run_episode
 from weir.rollout.rewards import get_reward
@@ -79,7 +79,7 @@ def test_sft_rows_match_the_tokens_the_rollout_produces():
     cfg = build_config(
         {}, ["data.task=calculator", "rollout.function=weir.rollout.multi_turn:rollout"]
     )
-    encode = make_encoder(cfg, tok)
+    encode = PromptEncoder(cfg, tok)
     call_row, answer_row = [r for r in sft_rows(20, 0, tool_fraction=1.0)][:2]
     engine = ScriptedEngine([call_row["response"], answer_row["response"]])
     agent = AgentConfig(tools=["weir.tasks.calculator:calc"], tool_format="tag", show_tools=False)

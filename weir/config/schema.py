@@ -80,7 +80,8 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(512, ge=1)
     """Longer prompts are handled per `on_long_prompt`."""
     on_long_prompt: Literal["skip", "truncate", "error"] = "skip"
-    """`skip` drops and counts over-long prompts; `error` stops the run."""
+    """`skip` drops and counts over-long prompts; `truncate` cuts their first tokens (keeping the
+    assistant cue at the end) and counts them; `error` stops the run."""
     shuffle: bool = True
     """Shuffle prompts each epoch, deterministically by seed."""
     epochs: int | None = Field(None, ge=1)

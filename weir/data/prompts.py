@@ -117,16 +117,13 @@ def encode_prompt(
     system_prompt: str | None = None,
     use_chat_template: bool = True,
     max_prompt_tokens: int | None = None,
-    truncate: bool = False,
 ) -> list[int]:
     """Token ids of the prompt of `row` (see `render_prompt` for the text).
 
     The chat-template text already holds any BOS the template writes, so it is encoded with
     ``add_special_tokens=False``; plain text is encoded with the tokenizer's special tokens.
     Raises `BadRow` for a missing or empty prompt and `PromptTooLong` (a `BadRow`) when the ids exceed
-    `max_prompt_tokens`, unless `truncate`: then the *first* tokens are cut, keeping the end of the
-    prompt where the template opens the assistant turn (the question's start is lost, not the cue to
-    answer).
+    `max_prompt_tokens`.
     """
     templated = use_chat_template and _has_chat_template(tokenizer)
     text = render_prompt(
@@ -141,7 +138,5 @@ def encode_prompt(
     if not ids:
         raise BadRow("the prompt encodes to zero tokens")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        if truncate:
-            return ids[-max_prompt_tokens:]
         raise PromptTooLong(len(ids), max_prompt_tokens, row.get("_index"))
     return ids

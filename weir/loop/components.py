@@ -75,8 +75,9 @@ def task_rows(cfg: Config, split: str) -> list[dict]:
 class PromptEncoder:
     """row -> prompt ids with the configured template and `data.on_long_prompt` policy.
 
-    `skip` raises `PromptTooLong` (collection skips and counts the row), `truncate` keeps the last
-    `max_prompt_tokens` ids and counts it in `truncated`, `error` stops the run with a message.
+    `skip` raises `PromptTooLong` (collection skips and counts the row); `truncate` cuts the *first*
+    tokens, keeping the end of the prompt where the template opens the assistant turn (the question's
+    start is lost, not the cue to answer), and counts it in `truncated`; `error` stops the run.
     """
 
     def __init__(self, cfg: Config, tokenizer: Any) -> None:
@@ -89,25 +90,21 @@ class PromptEncoder:
             prompt_key=d.prompt_key,
             system_prompt=d.system_prompt,
             use_chat_template=d.chat_template,
-            max_prompt_tokens=d.max_prompt_tokens,
         )
 
     def __call__(self, row: dict) -> list[int]:
-        try:
-            return self._encode(row)
-        except PromptTooLong as err:
-            if self.policy == "truncate":
-                self.truncated += 1
-                return self._encode(row, truncate=True)
-            if self.policy == "error":
-                raise DataError(
-                    f"{err}; raise data.max_prompt_tokens or set data.on_long_prompt=skip|truncate"
-                ) from None
-            raise
-
-
-def make_encoder(cfg: Config, tokenizer: Any) -> PromptEncoder:
-    return PromptEncoder(cfg, tokenizer)
+        ids = self._encode(row)
+        if len(ids) <= self.max_tokens:
+            return ids
+        if self.policy == "truncate":
+            self.truncated += 1
+            return ids[-self.max_tokens :]
+        err = PromptTooLong(len(ids), self.max_tokens, row.get("_index"))
+        if self.policy == "error":
+            raise DataError(
+                f"{err}; raise data.max_prompt_tokens or set data.on_long_prompt=skip|truncate"
+            )
+        raise err
 
 
 def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
@@ -165,7 +162,7 @@ def make_contexts(
             max_new_tokens=r.max_new_tokens,
         ),
         reward_fn=reward_function(cfg, reward),
-        encode=make_encoder(cfg, tokenizer),
+        encode=PromptEncoder(cfg, tokenizer),
         reward_timeout_s=cfg.reward.timeout_s,
         extras=agent_extras(cfg),
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 from weir.config import Config
 from weir.data.prompts import PromptTooLong
 from weir.data.sources import load_rows
-from weir.loop.components import load_run_model, make_encoder
+from weir.loop.components import PromptEncoder, load_run_model
 from weir.loop.run import Run, run_dir_of
 from weir.tasks import get_task
 from weir.train.model import eos_token_ids, save_model
@@ -29,7 +29,7 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int]
         raise ValueError(
             "no SFT data: set sft.data to a JSONL/Parquet file of {prompt, response} or data.task"
         )
-    encode = make_encoder(cfg, tokenizer)
+    encode = PromptEncoder(cfg, tokenizer)
     out, skipped = [], 0
     for i, row in enumerate(rows):
         if "response" not in row:
