@@ -38,20 +38,15 @@ def locate(model: str) -> tuple[Path | None, str]:
     """(the run's config.yaml or None, the HF model directory) for a run directory (its newest
     complete checkpoint, else its final model/), a checkpoint (runs/x/checkpoints/step_N; the run's
     config is two levels up), or a model directory / hub name."""
-    from weir.train.checkpoint import latest_checkpoint, verify_checkpoint
+    from weir.train.export import find_model_dir
 
     p = Path(model)
-    if (p / "manifest.json").is_file():
-        reason = verify_checkpoint(p)
-        if reason is not None:
-            raise ValueError(f"checkpoint {p} is unusable: {reason}")
-        ckpt, run_dir = p, p.parent.parent
-    elif is_run_dir(p):
-        ckpt, run_dir = latest_checkpoint(p / "checkpoints")[0], p
-    else:
+    if not ((p / "manifest.json").is_file() or is_run_dir(p)):
         return None, model
+    model_dir, origin = find_model_dir(p)
+    run_dir = Path(origin["checkpoint"]).parent.parent if "checkpoint" in origin else p
     config = run_dir / "config.yaml"
-    return (config if config.is_file() else None), str(ckpt / "model" if ckpt else p / "model")
+    return (config if config.is_file() else None), str(model_dir)
 
 
 def eval_config(

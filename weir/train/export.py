@@ -24,7 +24,7 @@ def find_model_dir(source: str | Path) -> tuple[Path, dict]:
         ckpt, _ = latest_checkpoint(src / "checkpoints")
         if ckpt is not None:
             return find_model_dir(ckpt)
-    if (src / "model" / "config.json").exists():
+    if (src / "model").is_dir():
         return src / "model", {"run": str(src), "final": True}
     if (src / "config.json").exists():
         return src, {"model": str(src)}
@@ -42,6 +42,8 @@ def export_model(source: str | Path, out: str | Path, dtype: str | None = None) 
     from weir.train.model import DTYPES
 
     model_dir, origin = find_model_dir(source)
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"{model_dir} is not an HF model directory (no config.json)")
     out = Path(out)
     if out.resolve() == model_dir.resolve():
         raise ValueError(f"--out {out} is the source directory; choose another")
