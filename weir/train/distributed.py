@@ -226,28 +226,25 @@ class TrainerRank:
     def pid(self) -> int:
         return os.getpid()
 
-    def save(self, path: str) -> None:
-        """Sharded checkpoint of model and optimizer (every rank writes its shards) with DCP."""
+    def _dcp_state(self) -> dict:
+        """This rank's shards of model and optimizer, plus schedule and update count: what DCP saves,
+        and the template it loads into."""
         assert self.actor is not None
         model_sd, optim_sd = get_state_dict(self.actor.model, self.actor.optimizer)
-        state = {
+        return {
             "model": model_sd,
             "optim": optim_sd,
             "scheduler": self.actor.scheduler.state_dict(),
             "updates": self.actor.updates,
         }
-        dcp.save(state, checkpoint_id=str(Path(path)))
+
+    def save(self, path: str) -> None:
+        """Sharded checkpoint of model and optimizer (every rank writes its shards) with DCP."""
+        dcp.save(self._dcp_state(), checkpoint_id=str(Path(path)))
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (the same number of ranks or not: DCP reshards)."""
-        assert self.actor is not None
-        model_sd, optim_sd = get_state_dict(self.actor.model, self.actor.optimizer)
-        state = {
-            "model": model_sd,
-            "optim": optim_sd,
-            "scheduler": self.actor.scheduler.state_dict(),
-            "updates": 0,
-        }
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(Path(path)))
         set_state_dict(
             self.actor.model,
