@@ -108,6 +108,29 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
     assert [h["rollout/samples"] for h in steps] == [4.0, 4.0, 4.0]  # 2 good rows x n=2 per step
 
 
+def test_async_loop_skips_and_counts_bad_rows_too(tmp_path):
+    good = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]
+    rows = [*good[:3], {"prompt": ""}, *good[3:6], {"question": "?"}, *good[6:]]
+    _write_rows(tmp_path / "train.jsonl", rows)
+    cfg = {
+        **BASE,
+        "run": {**BASE["run"], "steps": 2, "checkpoint_every": 0},
+        "data": {
+            "task": None,
+            "source": str(tmp_path / "train.jsonl"),
+            "eval_source": str(tmp_path / "train.jsonl"),
+            "shuffle": False,
+            "epochs": 1,
+        },
+        "reward": {"function": "exact_match"},
+        "loop": {"mode": "async", "max_staleness": 4},
+    }
+    with pytest.warns(UserWarning, match="skipping a data row"):
+        result = weir.run(cfg, [f"run.dir={tmp_path / 'run'}"])
+    assert sum(h.get("data/skipped_bad_rows", 0.0) for h in result.history) == 2.0
+    assert sum(h.get("rollout/samples", 0.0) for h in result.history[1:] if "reward/mean" in h) > 0
+
+
 def test_a_step_of_only_bad_rows_stops_with_the_fix(tmp_path):
     _write_rows(tmp_path / "train.jsonl", [{"text": "x"}] * 4)
     _write_rows(tmp_path / "test.jsonl", [{"prompt": "1+1=", "answer": "2"}])

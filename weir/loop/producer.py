@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Callable
 
 from weir.buffer import StalenessBuffer
-from weir.data.prompts import BadRow, DataError, PromptTooLong
+from weir.data.prompts import BadRow, DataError
 from weir.data.sample import Group, Status
 from weir.data.sources import PromptSource
-from weir.rollout.collect import failed_group
+from weir.rollout.collect import SKIP_METRICS, failed_group, skip_metric
 from weir.rollout.single_turn import RolloutContext
 from weir.telemetry.timeline import async_span
 
@@ -52,7 +52,7 @@ class RolloutProducer:
         self._lock = threading.Lock()
         self._counts = {
             "rollout/filtered_groups": 0.0,
-            "rollout/skipped_long_prompts": 0.0,
+            **dict.fromkeys(SKIP_METRICS, 0.0),
             "rollout/admitted": 0.0,
             "rollout/regenerated_groups": 0.0,
         }
@@ -173,14 +173,11 @@ class RolloutProducer:
             ):
                 self._count("rollout/regenerated_groups")
                 group = await self.fn(self.ctx, row)
-        except PromptTooLong:
-            self._count("rollout/skipped_long_prompts")
+        except BadRow as err:
+            self._count(skip_metric(err))
             return None
         except DataError:
             raise
-        except BadRow:
-            self._count("data/skipped_bad_rows")
-            return None
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a user rollout function must not end the run

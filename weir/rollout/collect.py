@@ -25,19 +25,28 @@ def failed_group(row: dict, err: BaseException) -> Group:
     return Group(samples=[sample], row=row)
 
 
+SKIP_METRICS = ("rollout/skipped_long_prompts", "data/skipped_bad_rows")
+
+
+def skip_metric(err: BadRow) -> str:
+    """The counter a skipped row goes to: too long for data.max_prompt_tokens, or no usable prompt
+    (said once per kind of problem, as a warning)."""
+    if isinstance(err, PromptTooLong):
+        return "rollout/skipped_long_prompts"
+    _warn_bad_row(err)
+    return "data/skipped_bad_rows"
+
+
 async def _collect(
     ctx: RolloutContext, rows: list[dict], fn: Callable
-) -> tuple[list[Group | None], dict[str, float]]:
-    skips = {"rollout/skipped_long_prompts": 0.0, "data/skipped_bad_rows": 0.0}
+) -> tuple[list[Group], dict[str, float]]:
+    skips = dict.fromkeys(SKIP_METRICS, 0.0)
 
     async def one(row: dict) -> Group | None:
         try:
             return await fn(ctx, row)
-        except PromptTooLong:
-            skips["rollout/skipped_long_prompts"] += 1
         except BadRow as err:
-            skips["data/skipped_bad_rows"] += 1
-            _warn_bad_row(err)
+            skips[skip_metric(err)] += 1
         except DataError:
             raise
         except Exception as err:  # a user rollout function must not end the run
