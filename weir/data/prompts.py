@@ -51,7 +51,7 @@ def prompt_messages(
 ) -> list[dict[str, Any]]:
     """The chat of `row` as a message list, with `system_prompt` prepended unless it has one.
 
-    Raises ValueError for a missing or empty prompt / chat.
+    Raises BadRow for a missing or empty prompt / chat.
     """
     where = f"row {row['_index']}" if "_index" in row else "row"
     value = row.get(prompt_key)
