@@ -169,6 +169,48 @@ def test_gsm8k_reference_solutions_score_one(gsm8k_test_rows):
         assert R.numeric(ref, {"answer": str(gold)})["reward"] == 1.0
 
 
+# Endings a model writes after its answer line; each holds a number that is not the answer.
+ENDINGS = [
+    "\nNote: I assumed {k} items per box.",
+    "\n\nHope this helps! Let me know if you have {k} more questions.",
+    " dollars\nThat is the total after {k} weeks.",
+    ".\n\nBest,\nTutor {k}",
+    "\n(Checked twice, with {k} different methods.)",
+]
+
+
+def test_gsm8k_answer_line_is_read_not_a_later_note(gsm8k_test_rows):
+    """A correct `#### N` line followed by a note, sign-off or unit that holds another number is
+    rewarded 1 (math-verify alone reads the last number); a wrong answer line with the gold number in
+    the note is rewarded 0. Regression for the `math` reward reading everything after `####`."""
+    rows = gsm8k_test_rows[::25]
+    for i, r in enumerate(rows):
+        body, gold_text = r["answer"].rsplit("####", 1)
+        gold = int(gold_text.replace(",", ""))
+        ending = ENDINGS[i % len(ENDINGS)].format(k=gold + 7)
+        right = S(f"{body}#### {gold}{ending}")
+        wrong = S(f"{body}#### {gold + 1}\nNote: {gold} would be wrong.")
+        for name in ("math", "numeric"):
+            assert REWARDS[name](right, {"answer": r["answer"]})["reward"] == 1.0, (name, right)
+            assert REWARDS[name](wrong, {"answer": r["answer"]})["reward"] == 0.0, (name, wrong)
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "So the total is \\boxed{18}. (Checked with 2 methods.)",
+        "\\boxed{18}\n\nBest regards, assistant 3",
+        "The answer is 18.\n\nLet me know if you need help with 2 more problems.",
+        "The final answer is $18$. Thanks for 1 great question!",
+        "**Answer: 18**\n\nHope that helps, 1 step at a time!",
+        "So she pays 18 dollars in total.\nAnswer: 18 dollars",
+        "#### $18\nThat's the total for 4 weeks.",
+    ],
+)
+def test_math_reads_realistic_endings(response):
+    assert R.math(S(response), {"answer": "#### 18"})["reward"] == 1.0
+
+
 def test_length_penalty():
     fn = length_penalty(exact_match, max_response_tokens=10, buffer_tokens=4)
     row = {"answer": "1"}

@@ -88,12 +88,17 @@ def _gold(row: Mapping[str, Any], answer_key: str) -> str:
     return str(value)
 
 
+def answer_line(text: str) -> str:
+    """The rest of the line after the last ``####`` (the whole text when there is none)."""
+    if "####" not in text:
+        return text
+    return text.rsplit("####", 1)[1].split("\n", 1)[0]
+
+
 def gold_final_answer(gold: str) -> str:
-    """The final answer of a gold string: the part after the last ``####`` (GSM8K) if present,
+    """The final answer of a gold string: the line after the last ``####`` (GSM8K) if present,
     stripped, with thousands separators removed from numbers."""
-    if "####" in gold:
-        gold = gold.rsplit("####", 1)[1]
-    gold = gold.strip()
+    gold = answer_line(gold).strip()
     return _THOUSANDS.sub("", gold)
 
 
@@ -113,6 +118,8 @@ _ANSWER_IS = re.compile(
     re.IGNORECASE | re.MULTILINE,
 )
 _MINUS = "-\u2212"
+# **bold** / __bold__ around an answer ("**Answer: 18**"): math-verify would read "18**"
+_MARKDOWN_BOLD = re.compile(r"(?:\*\*|__)(.+?)(?:\*\*|__)")
 
 
 def _numbers(text: str) -> list[Fraction]:
@@ -167,7 +174,7 @@ def extract_number(text: str) -> Fraction | None:
     """
     text = _latex_to_plain(text)
     if "####" in text:
-        nums = _numbers(text.rsplit("####", 1)[1].split("\n", 1)[0])
+        nums = _numbers(answer_line(text))
         if nums:
             return nums[0]
     boxed = _boxed_contents(text)
@@ -260,16 +267,17 @@ def math(
     """1.0 if math-verify finds the response's answer equivalent to the gold.
 
     Gold: the part after ``####`` if present (GSM8K), parsed as ``\\boxed{gold}`` (or as is).
-    Response: the part after its last ``####`` if present, else the whole text (math-verify prefers
-    ``\\boxed{}`` and the last expression). When math-verify parses nothing on either side, the
+    Response: the rest of the line of its last ``####`` if present (GSM8K's convention: a note after
+    the answer line, such as "Note: I assumed 3 baskets", is not part of the answer), else the whole
+    text (math-verify prefers ``\\boxed{}`` and the last expression). When math-verify parses nothing on either side, the
     `numeric` extraction decides. Returns ``{"reward", "pred", "gold", "method"}``.
     """
     from math_verify import parse, verify
 
     t = _mv_timeout(timeout_seconds)
     gold_text = gold_final_answer(_gold(row, answer_key))
-    response = strip_eos(sample.response_text, eos_texts)
-    span = response.rsplit("####", 1)[1] if "####" in response else response
+    response = _MARKDOWN_BOLD.sub(r"\1", strip_eos(sample.response_text, eos_texts))
+    span = answer_line(response) if "####" in response else response
     gold_parsed: list[Any] = []
     if gold_text and "$" not in gold_text and "\\boxed" not in gold_text:
         # a bare gold answer is the whole expression: boxing it stops math-verify from taking
