@@ -147,6 +147,10 @@ def test_size_limits(strict):
             "messages.0.content",
         ),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+        ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
+        ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty"),
     ],
 )
 def test_malformed_chat_requests_get_400_with_a_message(server, body, fragment):
@@ -169,6 +173,34 @@ def test_unparsable_bodies_get_400(server):
         status, _ = _call(url + f"/sessions/{s.id}/reward", bad, key=s.api_key)
         assert status == 400
     assert _call(url + "/sessions/sess-nope", key=server.sessions.admin_key)[0] == 404
+
+
+def test_options_at_their_no_op_values_are_accepted(server):
+    s = server.sessions.open()
+    body = {
+        **CHAT,
+        "response_format": {"type": "text"},
+        "top_logprobs": 0,
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+    }
+    status, out = _call(server.base_url + "/chat/completions", body, key=s.api_key)
+    assert status == 200 and out["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_routing_and_decoding_errors_use_the_openai_envelope(server):
+    """Unknown routes (404), wrong methods (405) and bodies that are not UTF-8 get the OpenAI error
+    envelope, not Starlette's {"detail": ...}."""
+    s = server.sessions.open()
+    url = server.base_url
+    status, err = _call(url + "/no/such/route", CHAT, key=s.api_key)
+    assert status == 404 and set(err) == {"error"} and err["error"]["message"]
+    status, err = _call(url + "/chat/completions", key=s.api_key, method="GET")
+    assert status == 405 and set(err) == {"error"} and err["error"]["message"]
+    status, err = _call(url + "/chat/completions", raw=b'{"model": "\xff\xfe"}', key=s.api_key)
+    assert status == 400 and set(err) == {"error"} and err["error"]["message"]
+    assert s.turns == []
 
 
 def test_an_engine_failure_is_a_500_that_names_the_error_not_a_traceback(scripted):

@@ -36,6 +36,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weir.config.schema import ServeConfig
 from weir.engine.base import Completion, Engine, SamplingParams
@@ -282,8 +283,10 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="weir", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.weir = state
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Starlette's HTTPException, the base of FastAPI's: routing's own 404 (unknown route) and 405
+    # (wrong method) and body-decoding errors are raised as Starlette's and must get the envelope too.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = getattr(exc, "type_", "invalid_request_error")
         return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
 

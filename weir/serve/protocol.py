@@ -86,6 +86,26 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # OpenAI options weir does not implement: accepted at their no-op values, rejected otherwise, so
+    # a client never silently gets something other than what it asked for.
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unimplemented(self) -> _Sampling:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by weir's engine")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by weir's engine (send 0 or omit it)")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(
+                "response_format: only {'type': 'text'} is supported (weir does not constrain "
+                "decoding to a JSON schema)"
+            )
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -109,6 +129,11 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
+        if self.top_logprobs:
+            raise ValueError(
+                "top_logprobs: only 0 is supported (weir's engine reports the sampled token's "
+                "log-prob, not the top alternatives)"
+            )
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError(
                 "tool_choice: only 'auto' and 'none' are supported (weir does not constrain "
@@ -134,6 +159,15 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _sampled_only(cls, v: int | None) -> int | None:
+        if v is not None and v > 1:
+            raise ValueError(
+                "logprobs: at most 1 (weir's engine reports the sampled token's log-prob only)"
+            )
+        return v
 
     @field_validator("echo")
     @classmethod
