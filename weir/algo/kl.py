@@ -133,7 +133,7 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language Models from
-    Human Preferences"; the same rule as TRL and verl).
+    Human Preferences"; the same rule as verl and OpenRLHF).
 
     After each batch with measured KL ``kl`` over ``n_steps`` samples::
 
@@ -145,7 +145,10 @@ class AdaptiveKLController:
 
     Args:
         init_coef: starting coefficient (> 0).
-        target: target KL per sample (> 0), e.g. 6.0 in Ziegler et al.
+        target: target KL (> 0), in the units of the ``kl`` passed to `update`. weir's actor passes
+            the batch's mean KL per trained token (``kl/ref``, as verl does), so ``algo.kl.
+            adaptive_target`` is per token; Ziegler et al.'s 6.0 was a KL per *sample* (a sum over
+            its tokens), which per token is about 6.0 / mean response length.
         horizon: number of samples over which the error is corrected (> 0), e.g. 10000.
     """
 
