@@ -109,13 +109,28 @@ class RolloutConfig(Section):
     """Stop the run when more than this fraction of a step's samples failed."""
 
 
+class RewardComponent(Section):
+    function: str
+    """Reward name (a built-in, reward_model, judge, combine) or dotted path."""
+    weight: float = 1.0
+    """Its weight in the total reward."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to it."""
+    name: str | None = None
+    """Its name in reward_info and in the metrics reward/<name>; default: the function's name."""
+    on_error: Literal["fail", "zero"] = "fail"
+    """A failure fails the sample (fail) or scores 0 and counts in reward/<name>_failed (zero)."""
+
+
 class RewardConfig(Section):
     function: str | None = None
-    """Reward name (exact_match, numeric, math, format) or dotted path; default: the task's reward."""
+    """Reward name (exact_match, numeric, math, format, reward_model, judge, combine) or dotted path; default: the task's reward."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments bound to the reward function."""
     timeout_s: float | None = Field(30.0, gt=0)
     """A reward call taking longer fails that sample."""
+    components: list[RewardComponent] = Field(default_factory=list)
+    """Weighted sum of rewards (docs/reward-models.md); when set, function must be unset or combine."""
 
 
 class KLConfig(Section):

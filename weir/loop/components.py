@@ -20,6 +20,7 @@ from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
 from weir.engine.torch_engine import TorchEngine
 from weir.plugins import resolve
+from weir.rollout.combine import check_reward
 from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
 from weir.rollout.single_turn import RolloutContext
@@ -108,6 +109,15 @@ class PromptEncoder:
 
 
 def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
+    if cfg.reward.components and reward is None:
+        if cfg.reward.function not in (None, "combine"):
+            raise ValueError(
+                f"reward.components and reward.function={cfg.reward.function!r} both set; "
+                "unset reward.function (the components are summed)"
+            )
+        components = [c.model_dump() for c in cfg.reward.components]
+        check_reward("combine", {"components": components})
+        return get_reward("combine", components=components)
     spec = (
         reward or cfg.reward.function or (get_task(cfg.data.task).reward if cfg.data.task else None)
     )
@@ -120,7 +130,9 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
     kwargs = dict(cfg.reward.kwargs)
     if cfg.data.answer_key != "answer" and (isinstance(spec, str) and spec in REWARDS):
         kwargs.setdefault("answer_key", cfg.data.answer_key)
-    return get_reward(spec, **kwargs)
+    fn = get_reward(spec, **kwargs)
+    check_reward(spec, kwargs)
+    return fn
 
 
 def _no_task_reward(sample: Any, row: dict) -> float:

@@ -6,7 +6,9 @@ sync or async. A dict result must hold ``"reward"`` and may carry components and
 default); every built-in takes `answer_key` as a keyword, so ``functools.partial`` or
 ``get_reward("math", answer_key="solution")`` retargets it.
 
-Built-ins (`REWARDS`): ``exact_match``, ``numeric``, ``math`` (math-verify), ``format``.
+Built-ins (`REWARDS`): ``exact_match``, ``numeric``, ``math`` (math-verify), ``format``;
+``reward_model`` (weir.rollout.reward_models), ``judge`` (weir.rollout.judge) and ``combine``
+(weir.rollout.combine).
 `length_penalty` wraps any reward with DAPO's overlong penalty. `score` calls a reward function
 and contains its failures, so one bad sample never takes a rollout down.
 """
@@ -28,6 +30,9 @@ from typing import Any
 
 from weir.data.sample import Sample, Status
 from weir.plugins import resolve
+from weir.rollout.combine import combine
+from weir.rollout.judge import judge
+from weir.rollout.reward_models import reward_model
 
 __all__ = [
     "REWARDS",
@@ -375,6 +380,9 @@ REWARDS: dict[str, RewardFn] = {
     "numeric": numeric,
     "math": math,
     "format": format,
+    "reward_model": reward_model,
+    "judge": judge,
+    "combine": combine,
 }
 
 
