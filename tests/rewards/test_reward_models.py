@@ -174,3 +174,17 @@ def test_micro_batcher_error_reaches_every_caller_and_a_new_loop_works():
     assert [type(r) for r in results] == [RuntimeError] * 3
     batcher.batch_fn = lambda items: [x + 1 for x in items]
     assert asyncio.run(main()) == [1, 2, 3]  # a second asyncio.run: fresh queue on the new loop
+
+
+def test_the_configured_reward_pickles_without_its_model(rm):
+    """What cluster.reward_workers ships to each Ray reward actor: the function and its options,
+    not the loaded model (each process loads its own copy once)."""
+    import pickle
+
+    path, model, tok = rm
+    fn = get_reward("reward_model", path=path, batch_size=4)
+    blob = pickle.dumps(fn)
+    assert len(blob) < 2000  # the nano model's weights alone are ~500 kB
+    s = S("7")
+    asyncio.run(score(pickle.loads(blob), s, {"prompt": "3+4"}))
+    assert s.reward == pytest.approx(expected_logit(model, tok, "3+4", "7"), abs=1e-4)

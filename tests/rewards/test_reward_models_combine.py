@@ -4,15 +4,17 @@ component in reward_info and in the step's metrics, failures failing or zeroing 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weir.config import Config
+from weir.config import Config, load_config
 from weir.data.sample import Group, Sample, Status
 from weir.loop.components import reward_function
 from weir.rollout.collect import summarize
+from weir.rollout.combine import component_name
 from weir.rollout.rewards import get_reward, score
 
 
@@ -87,19 +89,38 @@ def test_failing_component_fails_the_sample_by_default():
     assert "component broke" in s.error
 
 
+def half_unless_x(sample, row):
+    if "x" in sample.response_text:
+        raise RuntimeError("component broke on x")
+    return 0.5
+
+
 def test_failing_component_scores_zero_when_configured_and_is_counted():
     fn = get_reward(
         "combine",
         components=[
             {"function": "exact_match", "weight": 3.0},
-            {"function": f"{HERE}:boom", "weight": 5.0, "on_error": "zero"},
+            {"function": f"{HERE}:half_unless_x", "weight": 5.0, "on_error": "zero", "name": "h"},
         ],
     )
-    samples = [run_score(fn, S("7"), {"answer": "7"}) for _ in range(2)]
-    assert [s.reward for s in samples] == [3.0, 3.0]
-    assert "RuntimeError: component broke" in samples[0].reward_info["boom_error"]
+    samples = [run_score(fn, S(t), {"answer": "7"}) for t in ("7", "x", "8")]
+    assert [s.reward for s in samples] == [3.0 + 2.5, 0.0, 2.5]
+    assert all(s.status == Status.COMPLETED for s in samples)
+    assert "RuntimeError: component broke on x" in samples[1].reward_info["h_error"]
     metrics = summarize([Group(samples=samples)])
-    assert metrics["reward/boom_failed"] == 2.0
+    assert metrics["reward/h_failed"] == 1.0
+    assert metrics["reward/h_failed_mean"] == pytest.approx(1 / 3)
+    assert metrics["reward/h_mean"] == pytest.approx((0.5 + 0 + 0.5) / 3)
+
+
+def test_a_failed_sample_writes_no_component_metrics():
+    fn = get_reward(
+        "combine", components=[{"function": "exact_match"}, {"function": f"{HERE}:half_unless_x"}]
+    )
+    ok, bad = run_score(fn, S("7"), {"answer": "7"}), run_score(fn, S("x"), {"answer": "7"})
+    assert bad.status == Status.FAILED and "metrics" not in bad.metadata
+    metrics = summarize([Group(samples=[ok, bad])])
+    assert metrics["reward/exact_match_mean"] == 1.0 and metrics["rollout/failed"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -163,3 +184,16 @@ def test_total_is_the_weighted_sum(parts):
     assert [s.reward_info[f"c{i}"] for i in range(len(parts))] == [
         1.0 if gold == "7" else 0.0 for _, gold in parts
     ]
+
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def test_the_examples_build():
+    cfg = load_config(EXAMPLES / "reward_model_combined.yaml")
+    fn = reward_function(cfg)  # the judge component is checked (template, pattern), not called
+    assert fn.keywords["components"][2]["kwargs"]["model"] == "judge"
+    assert [component_name(c) for c in fn.keywords["components"]] == ["correct", "format", "style"]
+    cfg = load_config(EXAMPLES / "reward_model.yaml")
+    with pytest.raises(ValueError, match="'/models/my-rm': cannot read its config"):
+        reward_function(cfg)  # the placeholder RM path is refused before anything runs

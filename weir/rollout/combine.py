@@ -7,7 +7,7 @@ over components ``{function, weight, kwargs, name, on_error}``; each `function` 
 ``combine``). Components run concurrently. Each component's value is in ``sample.reward_info`` under
 its name and in the step's metrics as ``reward/<name>_mean`` (``reward/<name>`` is the step's sum).
 A failing component fails the sample (contained and counted by `score`) unless its ``on_error`` is
-``"zero"``: then it scores 0 and ``reward/<name>_failed`` counts it.
+``"zero"``: then it scores 0 and ``reward/<name>_failed`` counts it (``_failed_mean``: the fraction).
 """
 
 from __future__ import annotations
@@ -105,22 +105,24 @@ async def combine(
         *(_call(fn, sample, row) for _, fn in resolved), return_exceptions=True
     )
     info: dict[str, Any] = {}
-    metrics = sample.metadata.setdefault("metrics", {})
-    total = 0.0
+    values: dict[str, float] = {}
+    failed: dict[str, float] = {}
     for (c, _), res in zip(resolved, results, strict=True):
         name = c["name"]
         if isinstance(res, BaseException):
             if isinstance(res, asyncio.CancelledError) or c["on_error"] == "fail":
                 raise res
             info[f"{name}_error"] = f"{type(res).__name__}: {res}"
-            metrics[f"reward/{name}_failed"] = 1.0
-            value = 0.0
+            values[name] = 0.0
         else:
-            value = res["reward"]
-        info[name] = value
-        metrics[f"reward/{name}"] = value
-        total += c["weight"] * value
-    return {**info, "reward": total}
+            values[name] = res["reward"]
+        if c["on_error"] == "zero":
+            failed[name] = 1.0 if isinstance(res, BaseException) else 0.0
+    total = sum(c["weight"] * values[c["name"]] for c, _ in resolved)
+    metrics = sample.metadata.setdefault("metrics", {})
+    metrics.update({f"reward/{n}": v for n, v in values.items()})
+    metrics.update({f"reward/{n}_failed": v for n, v in failed.items()})
+    return {**info, **values, "reward": total}
 
 
 def check_reward(spec: Any, kwargs: Mapping[str, Any]) -> None:
