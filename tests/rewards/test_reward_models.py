@@ -188,3 +188,24 @@ def test_the_configured_reward_pickles_without_its_model(rm):
     s = S("7")
     asyncio.run(score(pickle.loads(blob), s, {"prompt": "3+4"}))
     assert s.reward == pytest.approx(expected_logit(model, tok, "3+4", "7"), abs=1e-4)
+
+
+def test_micro_batcher_serves_two_event_loops_at_once():
+    """The async driver scores on its rollout loop while evaluation runs on another."""
+    import threading
+
+    batcher = MicroBatcher(lambda items: [x * 10 for x in items], max_batch=64, max_wait_s=0.05)
+    results = {}
+
+    def in_thread(base):
+        async def main():
+            return await asyncio.gather(*(batcher.submit(base + i) for i in range(5)))
+
+        results[base] = asyncio.run(main())
+
+    threads = [threading.Thread(target=in_thread, args=(b,)) for b in (0, 100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert results == {0: [0, 10, 20, 30, 40], 100: [1000, 1010, 1020, 1030, 1040]}

@@ -8,7 +8,7 @@ the last match when there are several), refused when outside [min_score, max_sco
 
 Each call: the cache is consulted (key: model, messages, temperature, max_tokens; in memory and,
 with `cache_path`, in a JSON-lines file that later runs reuse); otherwise at most
-`max_concurrency` requests are in flight per process, each bounded by `timeout_s`, and transport
+`max_concurrency` requests are in flight per event loop, each bounded by `timeout_s`, and transport
 errors, timeouts, 429 and 5xx are retried up to `retries` times with exponential backoff
 (``backoff_s * 2**attempt``). A 4xx other than 429, or a reply without a score in range, fails the
 sample at once (`score` contains and counts it). Needs the ``openai`` package (``pip install
@@ -23,6 +23,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from string import Formatter
@@ -104,7 +105,9 @@ class Judge:
         self.requests = 0  # HTTP requests sent, retries included
         self.cache_hits = 0
         self._file_lock = threading.Lock()
-        self._per_loop: dict[int, tuple[Any, asyncio.Semaphore]] = {}
+        self._per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
         if self.cache_path is not None and self.cache_path.exists():
             for line in self.cache_path.read_text().splitlines():
                 if line.strip():
@@ -155,13 +158,17 @@ class Judge:
         """An AsyncOpenAI client and a semaphore for the running loop (both are loop-bound)."""
         from openai import AsyncOpenAI
 
-        loop_id = id(asyncio.get_running_loop())
-        if loop_id not in self._per_loop:
-            client = AsyncOpenAI(
-                base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout_s
-            )
-            self._per_loop = {loop_id: (client, asyncio.Semaphore(self.max_concurrency))}
-        return self._per_loop[loop_id]
+        loop = asyncio.get_running_loop()
+        with self._file_lock:
+            if loop not in self._per_loop:
+                client = AsyncOpenAI(
+                    base_url=self.base_url,
+                    api_key=self.api_key,
+                    max_retries=0,
+                    timeout=self.timeout_s,
+                )
+                self._per_loop[loop] = (client, asyncio.Semaphore(self.max_concurrency))
+            return self._per_loop[loop]
 
     async def reply(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
         """The judge's reply text and whether it came from the cache."""

@@ -22,6 +22,7 @@ import asyncio
 import json
 import math
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,23 @@ from weir.data.sample import Sample
 __all__ = ["MicroBatcher", "RewardModel", "reward_model", "check_reward_model"]
 
 
+class _Queue:
+    """One event loop's pending items and flush timer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: list[tuple[Any, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class MicroBatcher:
     """Collects concurrent `submit` calls into batches for `batch_fn(items) -> results`.
 
     A batch is flushed when it holds `max_batch` items or `max_wait_s` after its first item arrived,
     whichever comes first. `batch_fn` is synchronous and runs in a worker thread, so the event loop
     keeps serving (and collecting) while a batch computes. An exception from `batch_fn` is raised
-    in every caller of that batch. State is per event loop: a new loop (e.g. a new `asyncio.run`)
-    starts a fresh queue.
+    in every caller of that batch. Each event loop has its own queue (the async driver's rollout
+    loop and an evaluation loop may score at the same time); `batch_fn` must be thread-safe.
     """
 
     def __init__(
@@ -48,33 +58,36 @@ class MicroBatcher:
             raise ValueError("MicroBatcher needs max_batch >= 1 and max_wait_s >= 0")
         self.batch_fn, self.max_batch, self.max_wait_s = batch_fn, max_batch, max_wait_s
         self.batch_sizes: list[int] = []  # every flushed batch's size, for tests and inspection
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[Any, asyncio.Future]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
 
     async def submit(self, item: Any) -> Any:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._loop, self._pending, self._timer = loop, [], None
+        with self._lock:
+            q = self._queues.get(loop)
+            if q is None:
+                q = self._queues[loop] = _Queue(loop)
         fut = loop.create_future()
-        self._pending.append((item, fut))
-        if len(self._pending) >= self.max_batch:
-            self._flush()
-        elif self._timer is None:
-            self._timer = loop.call_later(self.max_wait_s, self._flush)
+        q.pending.append((item, fut))
+        if len(q.pending) >= self.max_batch:
+            self._flush(q)
+        elif q.timer is None:
+            q.timer = loop.call_later(self.max_wait_s, self._flush, q)
         return await fut
 
-    def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-        if self._pending:
-            assert self._loop is not None
-            self._timer = self._loop.call_later(self.max_wait_s, self._flush)
+    def _flush(self, q: _Queue) -> None:
+        if q.timer is not None:
+            q.timer.cancel()
+            q.timer = None
+        batch, q.pending = q.pending[: self.max_batch], q.pending[self.max_batch :]
+        if q.pending:
+            q.timer = q.loop.call_later(self.max_wait_s, self._flush, q)
         if batch:
-            self.batch_sizes.append(len(batch))
-            asyncio.ensure_future(self._run(batch))
+            with self._lock:
+                self.batch_sizes.append(len(batch))
+            q.loop.create_task(self._run(batch))
 
     async def _run(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
         try:
