@@ -129,6 +129,8 @@ def test_unusable_reward_models_are_refused_at_build(tmp_path):
         ({"path": str(tmp_path / "nowhere")}, "cannot read its config"),
         ({}, "needs kwargs.path"),
         ({"path": str(tmp_path / "two"), "batchsize": 4}, "batchsize"),
+        ({"path": str(tmp_path / "two"), "dtype": "bf16"}, "dtype 'bf16' is not one of"),
+        ({"path": str(tmp_path / "two"), "device": "gpu0"}, "device 'gpu0' is not a torch device"),
     ):
         cfg = Config.model_validate({"reward": {"function": "reward_model", "kwargs": kwargs}})
         with pytest.raises(ValueError, match=message) as err:

@@ -141,7 +141,7 @@ def check_reward(spec: Any, kwargs: Mapping[str, Any]) -> None:
             raise ValueError(
                 "reward_model needs kwargs.path: a sequence-classification model directory"
             )
-        check_reward_model(str(kwargs["path"]))
+        check_reward_model(**{**kwargs, "path": str(kwargs["path"])})
     elif spec == "judge":
         from weir.rollout.judge import Judge, check_judge
 

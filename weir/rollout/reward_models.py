@@ -106,15 +106,27 @@ def _load_error(path: str, why: str) -> ValueError:
     return ValueError(f"reward model {path!r}: {why}")
 
 
-def check_reward_model(path: str) -> None:
-    """Refuse up front what `RewardModel` cannot score: no config, or not one label."""
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_reward_model(path: str, dtype: str = "float32", device: str = "cpu", **_: Any) -> None:
+    """Refuse up front what `RewardModel` cannot score: no config, not one label, an unknown
+    dtype or device."""
+    import torch
     from transformers import AutoConfig
 
+    if dtype not in DTYPES:
+        raise _load_error(path, f"dtype {dtype!r} is not one of {list(DTYPES)}")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise _load_error(path, f"device {device!r} is not a torch device (cpu, cuda:N)") from None
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise _load_error(
-            path, f"cannot read its config ({err}); set path to a model directory"
+            path, f"cannot read its config ({first}); set path to a model directory"
         ) from None
     if config.num_labels != 1:
         raise _load_error(
@@ -140,7 +152,7 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        check_reward_model(path)
+        check_reward_model(path, dtype, device)
         self.path, self.device = path, torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.truncation_side = "left"  # keep the end of the response, which is scored
