@@ -197,3 +197,14 @@ def test_the_examples_build():
     cfg = load_config(EXAMPLES / "reward_model.yaml")
     with pytest.raises(ValueError, match="'/models/my-rm': cannot read its config"):
         reward_function(cfg)  # the placeholder RM path is refused before anything runs
+
+
+def test_data_answer_key_retargets_the_components_that_read_the_ground_truth():
+    cfg = Config.model_validate(
+        {
+            "data": {"answer_key": "solution"},
+            "reward": {"components": [{"function": "exact_match"}, {"function": "format"}]},
+        }
+    )
+    s = run_score(reward_function(cfg), S("#### 7"), {"solution": "#### 7"})
+    assert s.status == Status.COMPLETED and s.reward == 2.0

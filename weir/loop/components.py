@@ -6,6 +6,7 @@ This is the one place that knows every package; the drivers only call what it re
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -116,6 +117,9 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
                 "unset reward.function (the components are summed)"
             )
         components = [c.model_dump() for c in cfg.reward.components]
+        for c in components:
+            if _takes_answer_key(c["function"]) and cfg.data.answer_key != "answer":
+                c["kwargs"].setdefault("answer_key", cfg.data.answer_key)
         check_reward("combine", {"components": components})
         return get_reward("combine", components=components)
     spec = (
@@ -128,11 +132,20 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
             "no reward: set reward.function (a built-in name or a dotted path) or data.task"
         )
     kwargs = dict(cfg.reward.kwargs)
-    if cfg.data.answer_key != "answer" and (isinstance(spec, str) and spec in REWARDS):
+    if cfg.data.answer_key != "answer" and _takes_answer_key(spec):
         kwargs.setdefault("answer_key", cfg.data.answer_key)
     fn = get_reward(spec, **kwargs)
     check_reward(spec, kwargs)
     return fn
+
+
+def _takes_answer_key(spec: Any) -> bool:
+    """A built-in reward that reads the ground truth (data.answer_key retargets it)."""
+    return (
+        isinstance(spec, str)
+        and spec in REWARDS
+        and "answer_key" in inspect.signature(REWARDS[spec]).parameters
+    )
 
 
 def _no_task_reward(sample: Any, row: dict) -> float:
