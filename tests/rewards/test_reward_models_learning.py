@@ -20,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 
 import weir
 from weir.config import load_config
-from weir.loop.evaluation import run_eval
+from weir.loop.evaluation import eval_config, run_eval
 
 QUICK = str(Path(__file__).parents[2] / "examples" / "arithmetic_quick.yaml")
 
@@ -100,15 +100,18 @@ def test_grpo_with_a_reward_model_learns_arithmetic(tmp_path):
     assert len(rewards) == 16
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     # held-out accuracy by the task's own exact_match, independent of the reward model
-    before, after = (
-        run_eval(
-            load_config(
-                QUICK,
-                [f"model.path={m}", "reward.function=exact_match", f"run.dir={tmp_path / 'eval'}"],
-            )
+    before = run_eval(
+        load_config(
+            QUICK,
+            [
+                f"model.path={sft_model}",
+                "reward.function=exact_match",
+                f"run.dir={tmp_path / 'ev'}",
+            ],
         )
-        for m in (sft_model, result.model_dir)
     )
+    # what docs/reward-models.md advises: `weir eval RUN_DIR --reward exact_match`
+    after = run_eval(eval_config(str(result.dir), reward="exact_match"))
     assert after["eval/accuracy"] > before["eval/accuracy"] + 0.15, (before, after)
     # the run's own greedy eval (reward >= 1 <=> the RM says correct) agrees
     assert result.evals[-1]["eval/accuracy"] > result.evals[0]["eval/accuracy"] + 0.15

@@ -93,6 +93,6 @@ def eval_config(
         overrides.append(f"data.task={task}")
     if data:
         overrides += [f"data.eval_source={data}", f"data.source={data}"]
-    if reward:
-        overrides.append(f"reward.function={reward}")
+    if reward:  # the run's reward options belong to the run's reward, not to this one
+        overrides += [f"reward.function={reward}", "reward.kwargs={}", "reward.components=[]"]
     return load_config(run_config, overrides)
