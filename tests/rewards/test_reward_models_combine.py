@@ -131,6 +131,7 @@ def test_a_failed_sample_writes_no_component_metrics():
         ([{"function": "exact_match", "wieght": 1}], "unknown key"),
         ([{"function": "exact_match"}, {"function": "exact_match"}], "distinct 'name'"),
         ([{"function": "exact_match", "on_error": "ignore"}], "on_error"),
+        ([{"function": "exact_match", "name": "mean"}], "reward/mean already means"),
         ([{"function": "no_such_reward"}], "no_such_reward"),
         ([{"function": "exact_match", "kwargs": {"bogus": 1}}], "bogus"),
     ],

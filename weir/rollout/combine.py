@@ -23,6 +23,7 @@ from weir.data.sample import Sample
 __all__ = ["combine", "check_reward", "component_name"]
 
 _ON_ERROR = ("fail", "zero")
+_RESERVED = ("reward", "mean", "std")  # reward/mean and reward/std are the total's metrics
 
 
 def component_name(component: Mapping[str, Any]) -> str:
@@ -54,6 +55,11 @@ def _check_components(components: Any) -> list[dict[str, Any]]:
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ValueError(f"reward component {i}: weight must be a number, got {weight!r}")
         name = component_name(c)
+        if name in _RESERVED:
+            raise ValueError(
+                f"reward component {i} is named {name!r}, which reward/{name} already means; "
+                "give it another 'name'"
+            )
         if name in names:
             raise ValueError(
                 f"two reward components are named {name!r}; give them distinct 'name's"
