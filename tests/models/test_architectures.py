@@ -1,0 +1,191 @@
+"""Every architecture weir claims (docs/models.md), small and random: the engine's log-probs equal a
+plain full HF forward past the sliding window (prefill, decode, and the KV recompute after a weight
+update), packed equals unpacked (or the self-check falls back to padded rows), and the refused
+configurations get a one-line error."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from weir.engine import SamplingParams, TorchEngine
+from weir.engine.support import ModelSupport, UnsupportedModel, model_support
+from weir.loop.selfcheck import run_selfcheck
+from weir.tasks.tiny_archs import ARCHS, WINDOW, arch_config, build_arch_model
+from weir.train.packing import packed_response_logprobs
+from weir.train.padded import padded_response_logprobs
+
+NAMES = sorted(ARCHS)
+SLIDING = {"qwen2", "mistral", "phi3_window", "gemma2", "gemma3", "gpt_oss"}
+NO_PACKING = {"gpt_oss"}
+TOL = 1e-5
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory):
+    """name -> (model directory, model), built once per module."""
+    root = tmp_path_factory.mktemp("archs")
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = build_arch_model(root / name, name, seed=0)
+            cache[name] = (path, AutoModelForCausalLM.from_pretrained(path).eval())
+        return cache[name]
+
+    return get
+
+
+def _prompts(n: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, 262, (k,), generator=g).tolist() for k in lengths[:n]]
+
+
+@torch.inference_mode()
+def _reference(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p(tokens | prompt) from one plain forward of the whole sequence (no mask passed)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], -1)
+    return lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def _engine(model) -> TorchEngine:
+    return TorchEngine(model, eos_token_ids=[], pad_token_id=PAD, seed=0, num_threads=1)
+
+
+def _max_err(model, prompts, results) -> float:
+    errs = []
+    for prompt, comps in zip(prompts, results, strict=True):
+        for c in comps:
+            assert len(c.token_ids) > 0
+            ref = _reference(model, prompt, list(c.token_ids))
+            errs.append((ref - torch.tensor(c.logprobs)).abs().max().item())
+    return max(errs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_equals_full_forward_past_the_window(arch_models, name):
+    _, model = arch_models(name)
+    support = model_support(model.config)
+    assert bool(support.sliding_windows()) == (name in SLIDING)
+    # prompts of different lengths (left padding), 3 samples each, decoding to 3-4 windows long
+    prompts = _prompts(3, [5, 13, 21], seed=1)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=3 * WINDOW, seed=7)
+    with _engine(model) as engine:
+        results = engine.generate_many(prompts, params)
+        assert _max_err(model, prompts, results) <= TOL
+        if name in SLIDING:
+            # the same engine without the window is visibly off: the check has power
+            engine._support = ModelSupport(
+                support.model_type, support.name, dict.fromkeys(support.windows), True
+            )
+            wrong = engine.generate_many(prompts, params)
+            assert _max_err(model, prompts, wrong) > 0.05
+
+
+@pytest.mark.parametrize("name", sorted(SLIDING | {"qwen3_moe", "deepseek_v3"}))
+def test_kv_recompute_after_weight_update_is_exact(arch_models, name):
+    """A request in flight across a weight update: its later tokens are the new policy's, on the
+    full context, past the window (the KV recompute goes through the same per-layer masks)."""
+    _, base = arch_models(name)
+    model = copy.deepcopy(base)
+    new = {
+        k: v + 0.02 * torch.randn_like(v)
+        for k, v in model.state_dict().items()
+        if v.is_floating_point()
+    }
+    prompt = _prompts(1, [11], seed=3)[0]
+    with _engine(model) as engine:
+        engine.pause_sync()
+        # far more tokens than decode steps can happen while the update waits for the step lock
+        params = SamplingParams(temperature=0.0, max_new_tokens=12 * WINDOW, seed=0)
+        fut = engine.submit(prompt, params)
+        engine.resume_sync()
+        while engine.stats()["decode_steps"] < WINDOW + 2:
+            time.sleep(0.001)
+        engine.update_weights_sync(new.items(), version=1)
+        comp = fut.result()[0]
+    split = comp.versions.index(1)
+    assert 0 < split < len(comp.token_ids)
+    toks = list(comp.token_ids)
+    ref = _reference(model, prompt, toks)  # model now holds the new weights
+    err = (ref[split:] - torch.tensor(comp.logprobs[split:])).abs().max().item()
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_selfcheck_packed_or_falls_back(arch_models, name):
+    """The start-up self-check on the actual model: packed = unpacked, engine = trainer; GPT-OSS keeps
+    packed sequences together, so the run falls back to padded rows, which are exact."""
+    _, model = arch_models(name)
+
+    class Train:
+        packing = "auto"
+
+    train = Train()
+    with _engine(model) as engine:
+        result = run_selfcheck(model, engine, train)
+    assert result.engine_err <= TOL
+    if name in NO_PACKING:
+        assert result.packed_err > 0.05 and train.packing == "padded" == result.packing
+    else:
+        assert result.packed_err <= TOL and train.packing == "auto"
+    assert result.seconds < 5.0
+
+    seqs = _prompts(3, [30, 9, 17], seed=5)
+    lens = [len(s) - 1 for s in seqs]
+    with torch.no_grad():
+        padded = padded_response_logprobs(model, seqs, lens).logprobs
+        for i, s in enumerate(seqs):
+            ref = _reference(model, s[:1], s[1:])
+            assert (padded[i, : lens[i]] - ref).abs().max().item() <= TOL
+            if name not in NO_PACKING:
+                packed = packed_response_logprobs(model, seqs, lens).logprobs
+                assert (packed[i, : lens[i]] - ref).abs().max().item() <= TOL
+
+
+def test_explicit_packing_on_a_model_that_breaks_it_stops(arch_models):
+    _, model = arch_models("gpt_oss")
+
+    class Train:
+        packing = "packed"
+
+    with _engine(model) as engine, pytest.raises(UnsupportedModel) as err:
+        run_selfcheck(model, engine, Train())
+    msg = str(err.value)
+    assert "\n" not in msg and "GPT-OSS" in msg and "train.packing=padded" in msg
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "feature"),
+    [
+        ("gemma3", dict(use_bidirectional_attention=True), "bidirectional attention"),
+        (
+            "mistral",
+            dict(layer_types=["sliding_attention", "full_attention"]),
+            "per-layer attention",
+        ),
+    ],
+)
+def test_refused_configurations_name_the_feature(name, overrides, feature):
+    config = arch_config(name, **overrides)
+    with pytest.raises(UnsupportedModel) as err:
+        model_support(config)
+    msg = str(err.value)
+    assert "\n" not in msg and feature in msg and config.model_type in msg
+
+
+def test_refused_architecture_and_sdpa_softcapping():
+    from transformers import GPT2Config
+
+    with pytest.raises(UnsupportedModel, match="'gpt2'"):
+        model_support(GPT2Config())
+    config = arch_config("gemma2")
+    config._attn_implementation = "sdpa"
+    with pytest.raises(UnsupportedModel, match="soft-capping.*attn_implementation='eager'"):
+        model_support(config)
