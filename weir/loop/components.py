@@ -18,7 +18,9 @@ from weir.config import Config
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
+from weir.engine.support import model_support
 from weir.engine.torch_engine import TorchEngine
+from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
 from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
@@ -204,6 +206,7 @@ def build(
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     model, tokenizer = load_run_model(cfg, run_dir)
+    model_support(model.config)  # refuse a model weir cannot run exactly, before any other work
     ray_parts = None
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
@@ -213,6 +216,12 @@ def build(
     else:
         trainer = Actor(model, cfg)
         engine = make_engine(cfg, model, tokenizer)
+        if cfg.model.selfcheck:
+            try:
+                run_selfcheck(model, engine, cfg.train)
+            except BaseException:
+                engine.close()
+                raise
     try:
         return _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter
