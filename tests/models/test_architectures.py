@@ -189,3 +189,44 @@ def test_refused_architecture_and_sdpa_softcapping():
     config._attn_implementation = "sdpa"
     with pytest.raises(UnsupportedModel, match="soft-capping.*attn_implementation='eager'"):
         model_support(config)
+
+
+@pytest.mark.parametrize(
+    ("config_fn", "needle"),
+    [
+        (
+            lambda: __import__("transformers").GPT2Config(
+                n_layer=1, n_embd=16, n_head=2, bos_token_id=1, eos_token_id=1
+            ),
+            "'gpt2'",
+        ),
+        (lambda: arch_config("gemma3", use_bidirectional_attention=True), "bidirectional"),
+    ],
+)
+def test_weir_train_refuses_with_one_line(tmp_path, config_fn, needle):
+    """`weir train` on a refused model: exit 1 and one line naming the feature and architecture,
+    before any engine or trainer is built (no traceback)."""
+    from typer.testing import CliRunner
+
+    from weir.cli.main import app
+    from weir.tasks.tiny_model import build_tokenizer
+
+    config = config_fn()
+    config.vocab_size = len(build_tokenizer())
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    build_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "run.yaml").write_text("run: {steps: 1}\n")
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            str(tmp_path / "run.yaml"),
+            f"model.path={tmp_path / 'model'}",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+        env={"COLUMNS": "400"},
+    )
+    assert res.exit_code == 1, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "unsupported model" in lines[0] and needle in lines[0], res.output
+    assert "Traceback" not in res.output
