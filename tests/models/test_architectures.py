@@ -6,7 +6,7 @@ configurations get a one-line error."""
 from __future__ import annotations
 
 import copy
-import time
+import threading
 
 import pytest
 import torch
@@ -101,17 +101,25 @@ def test_kv_recompute_after_weight_update_is_exact(arch_models, name):
     }
     prompt = _prompts(1, [11], seed=3)[0]
     with _engine(model) as engine:
-        engine.pause_sync()
-        # far more tokens than decode steps can happen while the update waits for the step lock
-        params = SamplingParams(temperature=0.0, max_new_tokens=12 * WINDOW, seed=0)
+        reached = threading.Event()
+        decode = engine._decode_step
+
+        def decode_then_pause() -> None:  # the loop stops after exactly WINDOW + 2 decode steps
+            decode()
+            if engine.stats()["decode_steps"] == WINDOW + 2:
+                with engine._mu:
+                    engine._paused = True
+                reached.set()
+
+        engine._decode_step = decode_then_pause
+        params = SamplingParams(temperature=0.0, max_new_tokens=4 * WINDOW, seed=0)
         fut = engine.submit(prompt, params)
-        engine.resume_sync()
-        while engine.stats()["decode_steps"] < WINDOW + 2:
-            time.sleep(0.001)
+        assert reached.wait(60)
         engine.update_weights_sync(new.items(), version=1)
+        engine.resume_sync()
         comp = fut.result()[0]
     split = comp.versions.index(1)
-    assert 0 < split < len(comp.token_ids)
+    assert split == WINDOW + 3 < len(comp.token_ids)  # prefill token + WINDOW + 2 decode steps
     toks = list(comp.token_ids)
     ref = _reference(model, prompt, toks)  # model now holds the new weights
     err = (ref[split:] - torch.tensor(comp.logprobs[split:])).abs().max().item()
