@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["SUPPORTED", "ModelSupport", "UnsupportedModel", "model_support"]
+__all__ = ["SUPPORTED", "ModelSupport", "UnsupportedModel", "check_model_path", "model_support"]
 
 
 class UnsupportedModel(ValueError):
@@ -133,3 +133,16 @@ def model_support(config: Any) -> ModelSupport:
             t: (int(window) if t == "sliding_attention" else None) for t in sorted(set(types))
         }
     return ModelSupport(model_type, arch.name, windows, arch.packing)
+
+
+def check_model_path(path: str) -> None:
+    """`model_support` on the config of the model at `path`, before any weights are loaded (the
+    attention implementation is only known after loading; `model_support(model.config)` then checks
+    it). A path whose config cannot be read is left to the model loader to report."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return
+    model_support(config)

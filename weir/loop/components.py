@@ -18,7 +18,7 @@ from weir.config import Config
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
-from weir.engine.support import model_support
+from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
 from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
@@ -205,8 +205,9 @@ def build(
     filter: Callable | None = None,
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
+    check_model_path(run_model_path(cfg, run_dir))  # refuse what weir cannot run exactly, early
     model, tokenizer = load_run_model(cfg, run_dir)
-    model_support(model.config)  # refuse a model weir cannot run exactly, before any other work
+    model_support(model.config)  # and with the attention implementation it was loaded with
     ray_parts = None
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
