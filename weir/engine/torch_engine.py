@@ -475,8 +475,9 @@ class TorchEngine:
     Args:
         model: a decoder-only HF model of an architecture in `weir.engine.support.SUPPORTED`
             (others raise `UnsupportedModel`) using the ``sdpa`` or ``eager`` attention
-            implementation; sliding windows and hybrid sliding/full layers are masked exactly. It is used as given: keep it in eval mode
-            (or dropout-free) and do not run it concurrently from another thread while generating.
+            implementation; sliding windows and hybrid sliding/full layers are masked exactly.
+            It is used as given: keep it in eval mode (or dropout-free) and do not run it
+            concurrently from another thread while generating.
         eos_token_ids: tokens that always end a sample.
         pad_token_id: id fed at padding positions (masked out; any valid id works).
         max_batch_size: most rows (samples) decoding at once. A single request with ``n`` above it
