@@ -205,7 +205,8 @@ def build(
     filter: Callable | None = None,
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
-    check_model_path(run_model_path(cfg, run_dir))  # refuse what weir cannot run exactly, early
+    if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
+        check_model_path(cfg.model.path)
     model, tokenizer = load_run_model(cfg, run_dir)
     model_support(model.config)  # and with the attention implementation it was loaded with
     ray_parts = None
