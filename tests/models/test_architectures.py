@@ -238,3 +238,36 @@ def test_weir_train_refuses_with_one_line(tmp_path, config_fn, needle):
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "unsupported model" in lines[0] and needle in lines[0], res.output
     assert "Traceback" not in res.output
+
+
+def test_sft_on_a_model_that_breaks_packing_trains_unpacked(arch_models, tmp_path, capsys):
+    """`weir sft` runs the packing probe too: GPT-OSS is trained one padded row per sequence, and
+    the loss it logs is the unpacked one."""
+    import json
+
+    import weir
+
+    path, _ = arch_models("gpt_oss")
+    cfg = {
+        "model": {"path": str(path), "threads": 1},
+        "sft": {"rows": 8, "batch_size": 8, "epochs": 1, "warmup_steps": 0},
+        "telemetry": {"console": False},
+    }
+    from transformers import AutoTokenizer
+
+    from weir.config import build_config
+    from weir.loop.sft import sft_examples
+
+    # expected first-step loss: -mean log p(response | prompt), one plain forward per example
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    examples, _ = sft_examples(build_config(cfg), tokenizer, tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    lps = [_reference(model, p, r) for p, r in examples]
+    expected = -torch.cat(lps).mean().item()
+
+    out = weir.sft(cfg, [f"run.dir={tmp_path / 'sft'}", "run.deterministic=true"])
+    assert "training with train.packing=padded instead" in capsys.readouterr().err
+    assert (out / "config.json").exists()
+    record = json.loads((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["step"] == 1
+    assert abs(record["sft/loss"] - expected) < 1e-4
