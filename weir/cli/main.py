@@ -52,7 +52,7 @@ def _user_errors(fn):
             # imported here: weir.loop pulls in torch, which `weir report` does not need
             from weir.loop.run import RunError
 
-            if not isinstance(err, ValueError | FileNotFoundError | RunError):
+            if not isinstance(err, ValueError | FileNotFoundError | RunError | NotImplementedError):
                 raise
             if os.environ.get("WEIR_DEBUG"):
                 raise

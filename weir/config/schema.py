@@ -54,6 +54,9 @@ class ModelConfig(Section):
     """torch intra-op threads (default: torch's choice)."""
     init_seed: int = 0
     """Seed for the random init of a `tiny:` model."""
+    selfcheck: bool = True
+    """At start-up, compare packed with unpacked and engine with trainer log-probs on the model
+    (docs/models.md); on a packing mismatch fall back to `train.packing=padded`, else stop."""
 
 
 class DataConfig(Section):
@@ -199,6 +202,9 @@ class TrainConfig(Section):
     """Passes over the RL batch (PPO epochs)."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed forward/backward (gradient accumulation beyond it)."""
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
+    sequence; `auto`: packed where the attention backend has a variable-length kernel, else padded."""
 
 
 class EngineConfig(Section):

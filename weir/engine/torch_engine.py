@@ -72,6 +72,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from weir.engine.base import Completion, SamplingParams
+from weir.engine.masks import layer_masks
+from weir.engine.support import model_support
 from weir.telemetry.timeline import span
 
 __all__ = ["TorchEngine"]
@@ -471,9 +473,11 @@ class TorchEngine:
     """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
 
     Args:
-        model: a decoder-only HF model with full attention (Llama, Qwen2/3, Mistral, ...) using the
-            ``sdpa`` or ``eager`` attention implementation. It is used as given: keep it in eval mode
-            (or dropout-free) and do not run it concurrently from another thread while generating.
+        model: a decoder-only HF model of an architecture in `weir.engine.support.SUPPORTED`
+            (others raise `UnsupportedModel`) using the ``sdpa`` or ``eager`` attention
+            implementation; sliding windows and hybrid sliding/full layers are masked exactly.
+            It is used as given: keep it in eval mode (or dropout-free) and do not run it
+            concurrently from another thread while generating.
         eos_token_ids: tokens that always end a sample.
         pad_token_id: id fed at padding positions (masked out; any valid id works).
         max_batch_size: most rows (samples) decoding at once. A single request with ``n`` above it
@@ -510,16 +514,7 @@ class TorchEngine:
     ):
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
-        if attn not in ("sdpa", "eager"):
-            raise NotImplementedError(
-                f"TorchEngine supports the 'sdpa' and 'eager' attention implementations, not {attn!r}; "
-                "load the model with attn_implementation='sdpa'"
-            )
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise NotImplementedError(
-                f"TorchEngine supports full-attention layers only; this model has {sorted(set(layer_types))}"
-            )
+        self._support = model_support(config)  # raises UnsupportedModel (see weir.engine.support)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -899,14 +894,12 @@ class TorchEngine:
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _SlabCache
     ) -> torch.Tensor:
-        """Logits of the last position, float32 [rows, vocab]. `mask` is a boolean [rows, 1, q, kv]."""
-        if self._eager:
-            mask = torch.zeros(mask.shape, dtype=self._dtype, device=self._device).masked_fill_(
-                ~mask, torch.finfo(self._dtype).min
-            )
+        """Logits of the last position, float32 [rows, vocab]. `mask` is a boolean [rows, 1, q, kv]
+        (causal + padding); sliding windows are added per layer type by `layer_masks`."""
+        masks = layer_masks(mask, self._support, self._dtype if self._eager else None)
         out = self.model(
             input_ids=ids,
-            attention_mask=mask,  # a prepared 4D mask is used as is by HF's mask creation
+            attention_mask=masks,  # prepared 4D masks (or a dict by layer type) are used as given
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,

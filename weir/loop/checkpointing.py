@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from weir.train.checkpoint import read_manifest, write_checkpoint
 from weir.train.model import save_model
@@ -73,27 +72,41 @@ def save_run_checkpoint(
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    """Load the safetensors of an HF directory into `model` in place.
+    """Load the weights of an HF directory into `model` in place.
 
-    HF leaves tied weights (e.g. lm_head = embed_tokens) out of the file; those are the only keys
-    allowed to be missing.
+    They are read through `from_pretrained`, i.e. transformers' own key renaming and weight
+    conversion, so a checkpoint saved by `save_pretrained` comes back as the module holds it (e.g.
+    Qwen3-MoE's experts: one tensor per expert on disk, fused in memory). Every parameter and buffer
+    of `model` must be found, with its shape.
     """
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not sorted(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    result = model.load_state_dict(state, strict=False)
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
-        name for name, _ in model.named_parameters()
-    }
-    missing = set(result.missing_keys) - tied
-    if missing or result.unexpected_keys:
+    dtype = next(model.parameters()).dtype
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {model_dir} cannot be loaded: {err}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    state = loaded.state_dict()
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or shapes:
         raise ValueError(
-            f"checkpoint {model_dir} does not fit this model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(result.unexpected_keys)[:5]}; was model.path changed?"
+            f"checkpoint {model_dir} does not fit this model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, other shapes {shapes[:5]}; was model.path changed?"
         )
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name])
 
 
 def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str, Any] | None:

@@ -19,7 +19,9 @@ from weir.config import Config
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
+from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
+from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
 from weir.rollout.combine import check_reward
 from weir.rollout.multi_turn import agent_extras
@@ -228,7 +230,10 @@ def build(
     filter: Callable | None = None,
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
+    if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
+        check_model_path(cfg.model.path)
     model, tokenizer = load_run_model(cfg, run_dir)
+    model_support(model.config)  # and with the attention implementation it was loaded with
     ray_parts = None
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
@@ -238,6 +243,12 @@ def build(
     else:
         trainer = Actor(model, cfg)
         engine = make_engine(cfg, model, tokenizer)
+        if cfg.model.selfcheck:
+            try:
+                run_selfcheck(model, engine, cfg.train)
+            except BaseException:
+                engine.close()
+                raise
     try:
         return _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter

@@ -9,6 +9,7 @@ from weir.data.prompts import PromptTooLong
 from weir.data.sources import load_rows
 from weir.loop.components import PromptEncoder, load_run_model
 from weir.loop.run import Run, run_dir_of
+from weir.loop.selfcheck import check_packing, probe_length
 from weir.tasks import get_task
 from weir.train.model import eos_token_ids, save_model
 from weir.train.sft import sft
@@ -47,6 +48,11 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int]
 def run_sft(cfg: Config) -> Path:
     """Warm-start `cfg.model.path` on SFT data; returns the saved model directory (<run dir>/model)."""
     model, tokenizer = load_run_model(cfg, run_dir_of(cfg))
+    if cfg.model.selfcheck:  # the packing half of the start-up self-check (SFT has no engine)
+        limit = int(getattr(model.config, "max_position_embeddings", 2048))
+        avoid = {tokenizer.pad_token_id, *eos_token_ids(model, tokenizer)}
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        check_packing(model, cfg.train, vocab, avoid, probe_length(model, limit))
     eos = (
         tokenizer.eos_token_id
         if tokenizer.eos_token_id is not None
@@ -68,6 +74,7 @@ def run_sft(cfg: Config) -> Path:
             cfg.sft,
             seed=cfg.run.seed,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
+            packing=cfg.train.packing,
             on_step=on_step,
         )
         return save_model(model.eval(), tokenizer, run.dir / "model")

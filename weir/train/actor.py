@@ -20,7 +20,8 @@ from weir.config import Config
 from weir.telemetry.timeline import span
 from weir.train.batch import TrainBatch
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import pack_by_tokens, packed_response_logprobs
+from weir.train.packing import pack_by_tokens
+from weir.train.padded import response_logprobs
 
 
 class Actor:
@@ -141,12 +142,13 @@ class Actor:
                 self._idle_pass(model, backward=False)
                 continue
             with span("logprobs", cat="train", sequences=len(idx)):
-                res = packed_response_logprobs(
+                res = response_logprobs(
                     model,
                     [seqs[i] for i in idx],
                     [lens[i] for i in idx],
                     temperature=self.temperature,
                     pad_to=out.shape[1],
+                    packing=self.tcfg.packing,
                 )
             out[idx] = res.logprobs
         return self._combine_rows(out)
@@ -267,7 +269,7 @@ class Actor:
                 self._idle_pass(self.model, backward=True)
                 continue
             with span("forward", cat="train", sequences=len(idx)):
-                out = packed_response_logprobs(
+                out = response_logprobs(
                     self.model,
                     [seqs[i] for i in idx],
                     [lens[i] for i in idx],
@@ -275,6 +277,7 @@ class Actor:
                     with_entropy=True,
                     entropy_grad=self.acfg.entropy_coef != 0,
                     pad_to=width,
+                    packing=self.tcfg.packing,
                 )
             m = mask[idx]
             kl_in_loss = ref is not None and not self.acfg.kl.as_reward

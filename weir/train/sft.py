@@ -11,7 +11,8 @@ import torch
 
 from weir.config.schema import SFTConfig
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import pack_by_tokens, packed_response_logprobs
+from weir.train.packing import pack_by_tokens
+from weir.train.padded import response_logprobs
 
 
 def sft(
@@ -21,11 +22,14 @@ def sft(
     *,
     seed: int = 0,
     micro_batch_tokens: int = 8192,
+    packing: str = "packed",
     on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> list[float]:
     """Train on (prompt_ids, response_ids) pairs; returns the loss of every optimizer step.
 
     loss = -(1/N) * sum over response tokens of log p(x_t | x_<t), N = response tokens in the batch.
+    `packing` "padded" runs one padded row per sequence (for models that do not keep packed
+    sequences apart), else micro-batches are packed.
     """
     if not examples:
         raise ValueError("SFT needs at least one (prompt, response) example")
@@ -54,8 +58,8 @@ def sft(
             optimizer.zero_grad(set_to_none=True)
             total_loss = 0.0
             for idx in pack_by_tokens([len(s) for s in seqs], micro_batch_tokens):
-                out = packed_response_logprobs(
-                    model, [seqs[i] for i in idx], [lens[i] for i in idx]
+                out = response_logprobs(
+                    model, [seqs[i] for i in idx], [lens[i] for i in idx], packing=packing
                 )
                 loss = -out.logprobs.sum() / n_tokens
                 loss.backward()
