@@ -202,7 +202,7 @@ class TrainConfig(Section):
     offload_optimizer: bool = False
     """Keep AdamW's moments in CPU memory and step there (frees 8 bytes per parameter on the GPU at
     the cost of a device-host copy of parameters and gradients per optimizer step)."""
-    logprob_chunk_tokens: int = Field(1024, ge=1)
+    logprob_chunk_tokens: int = Field(256, ge=1)
     """Response tokens per chunk of the log-prob / entropy computation: at most this many rows of
     vocabulary-sized float32 temporaries exist at once."""
     packing: Literal["auto", "packed", "padded"] = "auto"

@@ -109,7 +109,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     pad_to: int | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
 
@@ -163,7 +163,7 @@ def packed_response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     pad_to: int | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module docstring)."""
     device = next(model.parameters()).device
@@ -202,7 +202,7 @@ def padded_response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     pad_to: int | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> PackedOutput:
     """The `padded` layout: one left-padded row per sequence.
 
