@@ -127,3 +127,31 @@ def test_a_run_on_cuda_checkpoints_the_cuda_rng(tmp_path):
     ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
     rng = torch.load(ckpts[-1] / "rng.pt", weights_only=False)
     assert rng["cuda"] is not None and len(rng["cuda"]) == torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_on_cuda_computes_in_bf16_on_fp32_shards(tiny_model_dir, offload):
+    """The Ray trainer's path in a one-rank NCCL group: bf16 compute, fp32 shards, CPU offload."""
+    import torch.distributed as dist
+
+    from weir.train.distributed import ShardedActor, free_port
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA)
+        actor = ShardedActor(model, _cfg("train.lr=1e-6", f"train.offload_optimizer={offload}"))
+        seen = []
+        model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+            lambda mod, args: seen.append((mod.weight.dtype, mod.weight.device.type))
+        )
+        stats = actor.train(make_batch(toy_groups(), version=0))
+        assert math.isfinite(stats["train/grad_norm"]) and stats["train/grad_norm"] > 0
+        assert set(seen) == {(torch.bfloat16, "cuda")}
+        shard = next(model.parameters()).to_local()
+        assert shard.dtype == torch.float32
+        assert shard.device.type == ("cpu" if offload else "cuda")
+    finally:
+        dist.destroy_process_group()

@@ -29,6 +29,9 @@ from weir.train.precision import Precision
 class Actor:
     """Policy model, optimizer and schedule, plus an optional frozen reference for KL."""
 
+    offload_in_optimizer = True
+    """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
+
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         self.cfg = cfg
         self.tcfg, self.acfg = cfg.train, cfg.algo
@@ -42,7 +45,7 @@ class Actor:
             lr=self.tcfg.lr,
             betas=self.tcfg.betas,
             weight_decay=self.tcfg.weight_decay,
-            offload=self.tcfg.offload_optimizer,
+            offload=self.tcfg.offload_optimizer and self.offload_in_optimizer,
         )
         total = max(1, cfg.run.steps * self.tcfg.mini_batches * self.tcfg.epochs)
         self.scheduler = make_schedule(

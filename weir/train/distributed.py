@@ -69,7 +69,8 @@ def shard_model(
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32
         )
-    kwargs["offload_policy"] = CPUOffloadPolicy() if offload else OffloadPolicy()
+    on_gpu = next(model.parameters()).is_cuda  # on the CPU the state is on the host already
+    kwargs["offload_policy"] = CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers or []:
         fully_shard(layer, **kwargs)
@@ -98,6 +99,8 @@ def balance(lengths: list[int], ranks: int) -> list[list[int]]:
 
 class ShardedActor(Actor):
     """`Actor` on an FSDP2-sharded model; every rank of the default process group runs one."""
+
+    offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
 
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
