@@ -15,6 +15,8 @@ from weir.train.actor import Actor
 from weir.train.batch import make_batch
 from weir.train.packing import response_logprobs
 
+pytestmark = pytest.mark.gpu
+
 CUDA = torch.device("cuda", 0)
 
 
