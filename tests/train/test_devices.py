@@ -137,3 +137,60 @@ def test_engine_keeps_its_own_copy_when_its_dtype_differs(tiny_model_dir):
             assert torch.equal(q, p.detach().to(torch.bfloat16)), name
     finally:
         engine.close()
+
+
+def test_the_whole_sync_loop_runs_on_another_device(tmp_path, monkeypatch):
+    """`weir.run` end to end (rollout, eval, reference KL, training, weight push) with the model
+    loaded onto the fake device: the same metrics as the CPU run, and nothing failed on the way."""
+    import weir
+    import weir.loop.components as components
+    from weir.train.model import load_model
+
+    def even_tokens(sample, row):
+        return sum(t % 2 == 0 for t in sample.response_ids) / max(1, len(sample.response_ids))
+
+    overrides = [
+        "model.path=tiny:nano",
+        "run.steps=2",
+        "run.eval_every=1",
+        "run.save_model=false",
+        "run.checkpoint_every=0",
+        "rollout.batch_prompts=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "data.eval_size=2",
+        "telemetry.console=false",
+        "algo.kl.coef=0.01",
+    ]
+    cpu = weir.run({}, [*overrides, f"run.dir={tmp_path / 'cpu'}"], reward=even_tokens)
+
+    loop = TorchEngine._loop
+
+    def loop_on_fake_device(self):
+        with FakeDevice():
+            loop(self)
+
+    def load_onto_fake_device(path, dtype=None, device=None):
+        model, tokenizer = load_model(path, dtype)
+        return move_module(model, torch.device("meta")), tokenizer
+
+    monkeypatch.setattr(TorchEngine, "_loop", loop_on_fake_device)
+    monkeypatch.setattr(
+        torch,
+        "inference_mode",
+        lambda mode=True: torch.no_grad() if mode else contextlib.nullcontext(),
+    )
+    monkeypatch.setattr(components, "load_model", load_onto_fake_device)
+    with FakeDevice():
+        fake = weir.run({}, [*overrides, f"run.dir={tmp_path / 'fake'}"], reward=even_tokens)
+    steps = [
+        (a, b) for a, b in zip(cpu.history, fake.history, strict=True) if "train/grad_norm" in a
+    ]
+    assert len(steps) == 2
+    for a, b in steps:
+        assert a["train/grad_norm"] > 0
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+        assert b["reward/mean"] == a["reward/mean"]
+        assert b["rollout/failed"] == 0
+    assert [e["eval/reward"] for e in fake.evals] == [e["eval/reward"] for e in cpu.evals]
+    assert all(e["eval/failed"] == 0 for e in fake.evals)

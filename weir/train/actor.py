@@ -165,7 +165,9 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        """(B, T) log-probs of the batch's response tokens under `model`, without gradients."""
+        """(B, T) log-probs of the batch's response tokens under `model`, without gradients, on the
+        trainer's device."""
+        batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens = batch.sequences, batch.response_lengths
         for idx in self._micro_batches(list(range(len(seqs))), seqs):
