@@ -16,8 +16,7 @@ from weir.engine import SamplingParams, TorchEngine
 from weir.engine.support import ModelSupport, UnsupportedModel, model_support
 from weir.loop.selfcheck import run_selfcheck
 from weir.tasks.tiny_archs import ARCHS, WINDOW, arch_config, build_arch_model
-from weir.train.packing import packed_response_logprobs
-from weir.train.padded import padded_response_logprobs
+from weir.train.packing import packed_response_logprobs, padded_response_logprobs
 
 NAMES = sorted(ARCHS)
 SLIDING = {"qwen2", "mistral", "phi3_window", "gemma2", "gemma3", "gpt_oss"}

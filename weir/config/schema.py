@@ -5,9 +5,12 @@ docs/configuration.md is generated from these models (`weir config-docs`), so it
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
 class Section(BaseModel):
@@ -48,8 +51,9 @@ class ModelConfig(Section):
     """HF model directory or hub name; `tiny:<size>` builds weir's tiny model (nano, tiny, small)."""
     arch: Literal["qwen3", "llama"] = "qwen3"
     """Architecture of a `tiny:` model."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the trainer and built-in engine."""
+    dtype: Literal["float32", "bfloat16"] | None = None
+    """Deprecated: use train.param_dtype, train.compute_dtype and engine.dtype. When set, it is the
+    parameter dtype of the trainer and the built-in engine, as before."""
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads (default: torch's choice)."""
     init_seed: int = 0
@@ -202,6 +206,23 @@ class TrainConfig(Section):
     """Passes over the RL batch (PPO epochs)."""
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed forward/backward (gradient accumulation beyond it)."""
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
+    """Trainer device: `auto` (CUDA when present, else CPU), `cpu`, `cuda` or `cuda:N`."""
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the master weights, gradients and AdamW state. `auto`: float32 (bf16 parameters
+    lose updates below bf16's resolution, e.g. most of an lr 1e-6 step)."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the forward/backward matmuls (autocast locally, FSDP2 MixedPrecisionPolicy on Ray).
+    `auto`: bfloat16 on CUDA, float32 on CPU."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    less memory for about one more forward's compute."""
+    offload_optimizer: bool = False
+    """Keep AdamW's moments in CPU memory and step there (frees 8 bytes per parameter on the GPU at
+    the cost of a device-host copy of parameters and gradients per optimizer step)."""
+    logprob_chunk_tokens: int = Field(256, ge=1)
+    """Response tokens per chunk of the log-prob / entropy computation: at most this many rows of
+    vocabulary-sized float32 temporaries exist at once."""
     packing: Literal["auto", "packed", "padded"] = "auto"
     """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
     sequence; `auto`: packed where the attention backend has a variable-length kernel, else padded."""
@@ -213,7 +234,13 @@ class EngineConfig(Section):
     max_batch_size: int = Field(256, ge=1)
     """Rows decoded together by the built-in engine."""
     share_weights: bool = True
-    """Colocated: the built-in engine runs on the trainer's own module (no weight copy)."""
+    """Colocated: the built-in engine runs on the trainer's own module (no weight copy) when device
+    and dtype are the trainer's; otherwise it keeps its own copy."""
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
+    """Built-in engine device: `auto` (the trainer's device locally; CUDA when present on a Ray
+    replica), `cpu`, `cuda` or `cuda:N`."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Built-in engine weight dtype. `auto`: bfloat16 on CUDA, float32 on CPU."""
 
 
 class ServeConfig(Section):
@@ -406,6 +433,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        self._migrate_model_dtype()
         total = self.rollout.batch_prompts * self.rollout.n
         if total % self.train.mini_batches:
             raise ValueError(
@@ -457,6 +485,26 @@ class Config(Section):
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
         return self
+
+    def _migrate_model_dtype(self) -> None:
+        """The old `model.dtype` set one dtype for everything; it still does, with a warning."""
+        old = self.model.dtype
+        if old is None:
+            return
+        warnings.warn(
+            f"model.dtype={old} is deprecated: set train.param_dtype (master weights), "
+            "train.compute_dtype (forward/backward) and engine.dtype instead; "
+            f"model.dtype={old} now sets those still at auto to {old}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        for section, key in (
+            (self.train, "param_dtype"),
+            (self.train, "compute_dtype"),
+            (self.engine, "dtype"),
+        ):
+            if getattr(section, key) == "auto":
+                setattr(section, key, old)
 
     @property
     def correction_needs_engine_logprobs(self) -> bool:

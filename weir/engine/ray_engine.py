@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from weir.config import Config
+from weir.config.devices import resolve_dtype
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.torch_engine import TorchEngine
 
@@ -21,7 +22,7 @@ class EngineWorker:
     """One engine replica: loads `model_path` and serves the Engine protocol over Ray.
 
     Args:
-        cfg: the run config (engine.*, model.dtype, run.seed).
+        cfg: the run config (engine.*, run.seed).
         model_path: a model directory this node can read (or a hub name).
         index: the replica's index (its sampling seed is run.seed + index).
         load: `(model_path, dtype) -> (model, tokenizer, eos_token_ids)`, a module-level function
@@ -34,8 +35,9 @@ class EngineWorker:
     ) -> None:
         torch.set_num_threads(1)
         self.index = index
-        device = "cuda" if cfg.cluster.engines.gpus > 0 else "cpu"
-        model, tokenizer, eos_ids = load(model_path, cfg.model.dtype)
+        device = torch.device("cuda" if cfg.cluster.engines.gpus > 0 else "cpu")
+        dtype = resolve_dtype(cfg.engine.dtype, device)
+        model, tokenizer, eos_ids = load(model_path, dtype)
         model = model.to(device).eval()
         self.engine = TorchEngine(
             model,

@@ -5,7 +5,7 @@
 - ``model/``: the policy as a standard HF directory (safetensors, config, tokenizer): `weir export`
   copies it, and resuming loads its tensors into the trainer's model;
 - ``trainer.pt``: optimizer and LR-schedule state, the KL coefficient, update counters;
-- ``rng.pt``: Python, NumPy and torch RNG states and the engine's seed stream;
+- ``rng.pt``: Python, NumPy, torch CPU and CUDA RNG states and the engine's seed stream;
 - ``state.json``: step, weight version, data-iterator position, the evaluations so far;
 - ``buffer.pt`` (asynchronous loop): groups generated but not yet trained, and the rows still being
   generated, which are rolled out again on resume so no prompt is lost.
@@ -46,6 +46,7 @@ def save_run_checkpoint(
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
                 "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "engine": parts.engine.state_dict()
                 if hasattr(parts.engine, "state_dict")
                 else None,
@@ -122,6 +123,7 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
+    restore_cuda_rng(rng.get("cuda"))
     run.version, run.last_step = state["version"], state["step"]
     run.evals = state["evals"]
     asyncio.run(parts.engine.update_weights(parts.trainer.weights(), run.version))
@@ -129,6 +131,18 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
         parts.engine.load_state_dict(rng["engine"])
     buffer = path / "buffer.pt"
     return torch.load(buffer, weights_only=False) if buffer.exists() else None
+
+
+def restore_cuda_rng(states: list[torch.Tensor] | None) -> None:
+    """Put back the CUDA generators' states saved by a checkpoint (one per visible device).
+
+    A checkpoint written without CUDA (None) leaves them alone; one resumed on a machine with
+    fewer devices restores those it has.
+    """
+    if not states or not torch.cuda.is_available():
+        return
+    for index, state in enumerate(states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(state, index)
 
 
 def checkpoint_step(path: Path) -> int:

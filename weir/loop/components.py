@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from weir.config import Config
+from weir.config.devices import resolve_device, resolve_dtype
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
@@ -30,6 +31,7 @@ from weir.rollout.single_turn import RolloutContext
 from weir.tasks import get_task
 from weir.train.actor import Actor
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
+from weir.train.precision import Precision, setup_device
 
 
 @dataclass
@@ -155,14 +157,29 @@ def _no_task_reward(sample: Any, row: dict) -> float:
     return 0.0
 
 
+def engine_placement(cfg: Config, model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """The built-in engine's device and dtype: `engine.device` (auto: the trainer model's device)
+    and `engine.dtype` (auto: bfloat16 on CUDA, float32 on CPU)."""
+    p = next(model.parameters())
+    if cfg.engine.device == "auto":
+        device = p.device
+    else:
+        device = resolve_device(cfg.engine.device, key="engine.device")
+    return device, resolve_dtype(cfg.engine.dtype, device)
+
+
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
     """The built-in engine on the trainer's module (colocated sync) or on its own copy.
 
     Asynchronous training always copies: the trainer updates its weights while the engine decodes.
+    So does an engine on another device or in another dtype than the trainer's (fp32 master
+    weights, bf16 engine): weight updates cast into the copy.
     """
     concurrent = cfg.loop.mode == "async"
-    if concurrent or not cfg.engine.share_weights:
-        model = copy.deepcopy(model)
+    device, dtype = engine_placement(cfg, model)
+    p = next(model.parameters())
+    if concurrent or not cfg.engine.share_weights or (p.device, p.dtype) != (device, dtype):
+        model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
     return TorchEngine(
         model,
         eos_token_ids=eos_token_ids(model, tokenizer),
@@ -205,13 +222,23 @@ def make_contexts(
 
 
 def load_run_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
-    """Seed, set threads, build a `tiny:` model if asked, and load model and tokenizer."""
+    """Seed, set threads, build a `tiny:` model if asked, and load model and tokenizer.
+
+    The model is placed on `train.device` in `train.param_dtype` (the trainer's master weights);
+    on Ray the driver's copy stays on the CPU (the ranks load their own).
+    """
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    return load_model(run_model_path(cfg, run_dir), cfg.model.dtype)
+    if cfg.cluster.type == "ray":
+        device = torch.device("cpu")
+    else:
+        device = resolve_device(cfg.train.device, key="train.device")
+    precision = Precision.from_config(cfg.train, device=device)
+    setup_device(precision, deterministic=cfg.run.deterministic)
+    return load_model(run_model_path(cfg, run_dir), precision.param_dtype, precision.device)
 
 
 def run_model_path(cfg: Config, run_dir: Path) -> str:

@@ -24,8 +24,7 @@ import torch
 
 from weir.engine.base import SamplingParams
 from weir.engine.support import SUPPORTED, UnsupportedModel, model_support
-from weir.train.packing import packed_response_logprobs
-from weir.train.padded import response_logprobs
+from weir.train.packing import choose_layout, packed_response_logprobs, response_logprobs
 
 __all__ = ["SelfCheckResult", "check_packing", "probe_length", "run_selfcheck", "tolerance"]
 
@@ -131,7 +130,10 @@ def run_selfcheck(model: torch.nn.Module, engine: Any, train_cfg: Any) -> SelfCh
         model.eval()
         try:
             ref = response_logprobs(
-                model, [prompt + toks], [len(toks)], packing=train_cfg.packing
+                model,
+                [prompt + toks],
+                [len(toks)],
+                layout=choose_layout(model, train_cfg.packing),
             ).logprobs[0]
         finally:
             model.train(was_training)

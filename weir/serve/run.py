@@ -34,7 +34,10 @@ def run_server(
     path = resolve_model_path(
         cfg.model.path, build_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
     )
-    model, tokenizer = load_model(path, cfg.model.dtype)
+    from weir.config.devices import resolve_device, resolve_dtype
+
+    device = resolve_device(cfg.engine.device, key="engine.device")
+    model, tokenizer = load_model(path, resolve_dtype(cfg.engine.dtype, device), device)
     model.eval()
     engine = TorchEngine(
         model,

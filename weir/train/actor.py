@@ -8,10 +8,12 @@ the gradient does not depend on how it was split into micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -20,23 +22,30 @@ from weir.config import Config
 from weir.telemetry.timeline import span
 from weir.train.batch import TrainBatch
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import pack_by_tokens
-from weir.train.padded import response_logprobs
+from weir.train.packing import choose_layout, micro_batches, response_logprobs
+from weir.train.precision import Precision
 
 
 class Actor:
     """Policy model, optimizer and schedule, plus an optional frozen reference for KL."""
 
+    offload_in_optimizer = True
+    """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
+
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
-        self.model = model.eval()  # dropout off: log-probs must be deterministic for RL
         self.cfg = cfg
         self.tcfg, self.acfg = cfg.train, cfg.algo
+        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
+        self.precision = self._precision(model)
+        self.device = self.precision.device
+        self.layout = choose_layout(model, self.tcfg.packing)
         self.temperature = cfg.rollout.temperature or 1.0
         self.optimizer = make_optimizer(
             model.parameters(),
             lr=self.tcfg.lr,
             betas=self.tcfg.betas,
             weight_decay=self.tcfg.weight_decay,
+            offload=self.tcfg.offload_optimizer and self.offload_in_optimizer,
         )
         total = max(1, cfg.run.steps * self.tcfg.mini_batches * self.tcfg.epochs)
         self.scheduler = make_schedule(
@@ -95,6 +104,28 @@ class Actor:
 
     # -- data-parallel hooks: one process trains everything; weir.train.distributed overrides them --
 
+    def _precision(self, model: torch.nn.Module) -> Precision:
+        """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`
+        applied with autocast (a no-op when it is not narrower than the parameters)."""
+        p = next(model.parameters())
+        compute = Precision.from_config(self.tcfg, device=p.device).compute_dtype
+        if p.dtype == torch.bfloat16:
+            compute = torch.bfloat16
+        return Precision(p.device, p.dtype, compute)
+
+    def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
+        """Response log-probs of one micro-batch in the configured layout and compute dtype."""
+        with self.precision.autocast():
+            return response_logprobs(
+                model,
+                seqs,
+                lens,
+                layout=self.layout,
+                temperature=self.temperature,
+                chunk_size=self.tcfg.logprob_chunk_tokens,
+                **kwargs,
+            )
+
     def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
         """The frozen reference policy for KL: a copy of the initial model."""
         return copy.deepcopy(model).eval().requires_grad_(False)
@@ -108,7 +139,7 @@ class Actor:
         budget = self.tcfg.micro_batch_tokens
         return [
             [indices[j] for j in local]
-            for local in pack_by_tokens([len(seqs[i]) for i in indices], budget)
+            for local in micro_batches([len(seqs[i]) for i in indices], budget, self.layout)
         ]
 
     def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
@@ -134,7 +165,9 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        """(B, T) log-probs of the batch's response tokens under `model`, without gradients."""
+        """(B, T) log-probs of the batch's response tokens under `model`, without gradients, on the
+        trainer's device."""
+        batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens = batch.sequences, batch.response_lengths
         for idx in self._micro_batches(list(range(len(seqs))), seqs):
@@ -142,13 +175,8 @@ class Actor:
                 self._idle_pass(model, backward=False)
                 continue
             with span("logprobs", cat="train", sequences=len(idx)):
-                res = response_logprobs(
-                    model,
-                    [seqs[i] for i in idx],
-                    [lens[i] for i in idx],
-                    temperature=self.temperature,
-                    pad_to=out.shape[1],
-                    packing=self.tcfg.packing,
+                res = self._forward(
+                    model, [seqs[i] for i in idx], [lens[i] for i in idx], pad_to=out.shape[1]
                 )
             out[idx] = res.logprobs
         return self._combine_rows(out)
@@ -160,6 +188,7 @@ class Actor:
 
     def _train(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
+        batch = batch.to(self.device)
         mask, stats = batch.response_mask, {}
         old = self.logprobs(self.model, batch) if self.needs_recompute else batch.rollout_logprobs
         if self.needs_recompute:
@@ -252,11 +281,8 @@ class Actor:
     def _update(
         self, batch, mb, mask, old, ref, advantages, weights, *, first: bool
     ) -> dict[str, float]:
-        """Accumulate gradients over the packed micro-batches of mini-batch `mb`, then step."""
-        seqs, lens = batch.sequences, batch.response_lengths
-        width = mask.shape[1]
+        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step."""
         num_tokens = float(mask[mb].sum().item())
-        num_seqs = float(mask[mb].any(1).sum().item())
         sums: dict[str, float] = defaultdict(float)
         peaks: dict[str, float] = {}
         if num_tokens == 0:  # every token of this mini-batch was masked out: no update
@@ -264,20 +290,45 @@ class Actor:
             self.updates += 1
             return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
         self.optimizer.zero_grad(set_to_none=True)
+        with grad_mode(self.model, self.tcfg.gradient_checkpointing):
+            self._accumulate(batch, mb, mask, old, ref, advantages, weights, first, sums, peaks)
+        sums, peaks = self._reduce_metrics(sums, peaks)
+        with span("optimizer", cat="train"):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm
+                norm = norm.full_tensor()
+            norm = norm.item()
+            if math.isfinite(norm):
+                self.optimizer.step()
+            else:
+                self.skipped_updates += 1
+                self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.updates += 1
+        return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
+
+    def _accumulate(
+        self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks
+    ) -> None:
+        """Forward and backward over the micro-batches of mini-batch `mb`, adding up metrics."""
+        seqs, lens = batch.sequences, batch.response_lengths
+        width = mask.shape[1]
+        num_tokens = float(mask[mb].sum().item())
+        num_seqs = float(mask[mb].any(1).sum().item())
         for idx in self._micro_batches(mb, seqs):
             if not idx:
                 self._idle_pass(self.model, backward=True)
                 continue
             with span("forward", cat="train", sequences=len(idx)):
-                out = response_logprobs(
+                out = self._forward(
                     self.model,
                     [seqs[i] for i in idx],
                     [lens[i] for i in idx],
-                    temperature=self.temperature,
                     with_entropy=True,
                     entropy_grad=self.acfg.entropy_coef != 0,
                     pad_to=width,
-                    packing=self.tcfg.packing,
                 )
             m = mask[idx]
             kl_in_loss = ref is not None and not self.acfg.kl.as_reward
@@ -321,22 +372,6 @@ class Actor:
                 diff = (out.logprobs.detach() - batch.rollout_logprobs[idx]) * policy
                 self._mismatch_sums[0] += diff.abs().sum().item()
                 self._mismatch_sums[1] += policy.sum().item()
-        sums, peaks = self._reduce_metrics(sums, peaks)
-        with span("optimizer", cat="train"):
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-            if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm
-                norm = norm.full_tensor()
-            norm = norm.item()
-            if math.isfinite(norm):
-                self.optimizer.step()
-            else:
-                self.skipped_updates += 1
-                self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-        self.updates += 1
-        return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 
     def _mismatch(self, trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         """How far the engine's log-probs are from the trainer's on the same tokens (before the update)."""
@@ -369,3 +404,50 @@ class Actor:
     def weights(self):
         """Named parameters to push to the engines."""
         return self.model.named_parameters()
+
+
+def prepare_for_training(model: torch.nn.Module, *, checkpointing: bool) -> torch.nn.Module:
+    """Eval mode (dropout off: RL needs deterministic log-probs); with `checkpointing`, activation
+    checkpointing on and every dropout probability set to 0.
+
+    HF only checkpoints activations in train mode, so the trainer's gradient forward runs in train
+    mode (`grad_mode`); with every dropout at 0 (nn.Dropout modules and the attention modules'
+    `attention_dropout`) train mode computes exactly what eval mode does. Outside that forward the
+    model is in eval mode, so a colocated engine on the same module keeps its KV cache (HF drops
+    `use_cache` while checkpointing in train mode).
+    """
+    if not checkpointing:
+        return model.eval()
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
+            "set train.gradient_checkpointing=false"
+        )
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def grad_mode(model: torch.nn.Module, checkpointing: bool) -> Iterator[None]:
+    """Train mode for the enclosed gradient forward/backward when checkpointing, then eval again."""
+    if not checkpointing:
+        yield
+        return
+    model.train()
+    try:
+        yield
+    finally:
+        model.eval()

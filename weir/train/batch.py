@@ -25,6 +25,15 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with its tensors on `device` (self when they already are)."""
+        device = torch.device(device)
+        if self.response_mask.device == device:
+            return self
+        names = ("response_mask", "rollout_logprobs", "versions", "rewards", "group_ids")
+        moved = {n: getattr(self, n).to(device, non_blocking=True) for n in names}
+        return TrainBatch(samples=self.samples, metrics=self.metrics, **moved)
+
     @property
     def sequences(self) -> list[list[int]]:
         return [s.prompt_ids + s.response_ids for s in self.samples]

@@ -35,20 +35,46 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from weir.config import Config
 from weir.train.actor import Actor
 from weir.train.batch import TrainBatch
-from weir.train.packing import pack_by_tokens
+from weir.train.packing import micro_batches
+from weir.train.precision import Precision, setup_device
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Apply FSDP2 in place: one unit per decoder layer, the rest (embeddings, head) in the root."""
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    offload: bool = False,
+) -> torch.nn.Module:
+    """Apply FSDP2 in place: one unit per decoder layer, the rest (embeddings, head) in the root.
+
+    The shards keep the parameters' dtype (float32 master weights); with `compute_dtype` (e.g.
+    bfloat16) FSDP2's MixedPrecisionPolicy casts the gathered parameters to it for the forward and
+    backward, and reduces gradients in float32. `offload` keeps parameters, gradients and optimizer
+    state in CPU memory between uses (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU).
+    """
+    master = next(model.parameters()).dtype
+    kwargs: dict[str, Any] = {}
+    if compute_dtype is not None and compute_dtype != master:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32
+        )
+    on_gpu = next(model.parameters()).is_cuda  # on the CPU the state is on the host already
+    kwargs["offload_policy"] = CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers or []:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum the ranks' gradients (module docstring)
@@ -74,37 +100,50 @@ def balance(lengths: list[int], ranks: int) -> list[list[int]]:
 class ShardedActor(Actor):
     """`Actor` on an FSDP2-sharded model; every rank of the default process group runs one."""
 
+    offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
+
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # NCCL reduces tensors on the GPU, gloo on the CPU
-        self._comm = next(model.parameters()).device if dist.get_backend() == "nccl" else None
+        nccl = dist.get_backend() == "nccl"
+        self._comm = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # the reference must be copied before `model` is sharded in place
         self._initial = copy.deepcopy(model) if cfg.algo.kl.coef > 0 else None
-        super().__init__(shard_model(model), cfg)
+        device = next(model.parameters()).device
+        self._compute = Precision.from_config(cfg.train, device=device).compute_dtype
+        self._offload = cfg.train.offload_optimizer
+        shard_model(model, compute_dtype=self._compute, offload=self._offload)
+        super().__init__(model, cfg)
         self._initial = None
 
     def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen, sharded copy of the initial model (copied before sharding)."""
         assert self._initial is not None
         ref = self._initial.eval().requires_grad_(False)
-        for layer in getattr(getattr(ref, "model", None), "layers", None) or []:
-            fully_shard(layer)
-        fully_shard(ref)
-        return ref
+        return shard_model(ref, compute_dtype=self._compute, offload=self._offload)
+
+    def _precision(self, model: torch.nn.Module) -> Precision:
+        """FSDP2's MixedPrecisionPolicy casts the gathered shards, so no autocast on top of it.
+
+        The device is the rank's (with CPU offload the shards themselves live on the CPU)."""
+        p = next(model.parameters())
+        device = self._comm if self._comm is not None else p.device
+        return Precision(device, p.dtype, p.dtype)
 
     def _micro_batches(self, indices: list[int], seqs: list[list[int]]) -> list[list[int]]:
         mine = [indices[p] for p in balance([len(seqs[i]) for i in indices], self.world)[self.rank]]
         local = [
             [mine[j] for j in mb]
-            for mb in pack_by_tokens([len(seqs[i]) for i in mine], self.tcfg.micro_batch_tokens)
+            for mb in micro_batches(
+                [len(seqs[i]) for i in mine], self.tcfg.micro_batch_tokens, self.layout
+            )
         ]
         count = torch.tensor([len(local)], device=self._comm)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return local + [[]] * (int(count.item()) - len(local))
 
     def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
-        device = next(model.parameters()).device
-        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         with torch.set_grad_enabled(backward):
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
         if backward:
@@ -149,7 +188,8 @@ class TrainerRank:
 
     def __init__(self, cfg: Config, model_path: str, rank: int, world: int) -> None:
         self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
-        self.device = "cuda" if cfg.cluster.trainer.gpus_per_rank > 0 else "cpu"
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here
+        self.device = "cuda:0" if cfg.cluster.trainer.gpus_per_rank > 0 else "cpu"
         torch.set_num_threads(cfg.model.threads or 1)
         self.actor: ShardedActor | None = None
 
@@ -163,9 +203,10 @@ class TrainerRank:
         """Join the trainer group and build the sharded actor; returns this rank."""
         from weir.train.model import load_model
 
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        if self.device == "cuda":
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        on_gpu = self.device.startswith("cuda")
+        backend = "nccl" if on_gpu else "gloo"
+        precision = Precision.from_config(self.cfg.train, device=self.device)
+        setup_device(precision, deterministic=self.cfg.run.deterministic)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{host}:{port}",
@@ -173,8 +214,8 @@ class TrainerRank:
             world_size=self.world,
         )
         torch.manual_seed(self.cfg.run.seed)
-        model, _ = load_model(self.model_path, self.cfg.model.dtype)
-        self.actor = ShardedActor(model.to(self.device), self.cfg)
+        model, _ = load_model(self.model_path, precision.param_dtype, self.device)
+        self.actor = ShardedActor(model, self.cfg)
         return self.rank
 
     def train(self, batch: TrainBatch) -> dict[str, float]:

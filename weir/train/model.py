@@ -12,7 +12,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from weir.config.devices import DTYPES
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 
 def resolve_model_path(
@@ -31,16 +33,24 @@ def resolve_model_path(
 
 
 def load_model(
-    path: str, dtype: str = "float32"
+    path: str,
+    dtype: str | torch.dtype | None = "float32",
+    device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer through the standard `from_pretrained` path."""
+    """Load a causal LM and its tokenizer through the standard `from_pretrained` path.
+
+    `dtype` (None: float32) is the parameter dtype; `device` where the model is placed (None: the
+    CPU). The attention implementation is the model's own choice when it is one weir runs
+    (sdpa, eager, flash_attention_2); anything else is refused.
+    """
     if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
         raise ValueError(
             f"model.path={path!r}: no such directory (expected a Hugging Face model directory)"
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        torch_dtype = DTYPES[dtype or "float32"] if not isinstance(dtype, torch.dtype) else dtype
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as err:
         raise ValueError(
             f"cannot load model.path={path!r}: {err}. Give a local HF model directory, a hub name "
@@ -49,6 +59,14 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.use_cache = False
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn not in ATTENTION:
+        raise ValueError(
+            f"model.path={path!r} uses attn_implementation={attn!r}; weir runs "
+            f"{', '.join(ATTENTION)}: set attn_implementation in its config.json"
+        )
+    if device is not None:
+        model = model.to(device)
     return model, tokenizer
 
 

@@ -11,8 +11,7 @@ import torch
 
 from weir.config.schema import SFTConfig
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import pack_by_tokens
-from weir.train.padded import response_logprobs
+from weir.train.packing import choose_layout, micro_batches, response_logprobs
 
 
 def sft(
@@ -22,14 +21,13 @@ def sft(
     *,
     seed: int = 0,
     micro_batch_tokens: int = 8192,
-    packing: str = "packed",
+    packing: str = "auto",
     on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> list[float]:
     """Train on (prompt_ids, response_ids) pairs; returns the loss of every optimizer step.
 
     loss = -(1/N) * sum over response tokens of log p(x_t | x_<t), N = response tokens in the batch.
-    `packing` "padded" runs one padded row per sequence (for models that do not keep packed
-    sequences apart), else micro-batches are packed.
+    `packing` is `train.packing` (auto | packed | padded; see `weir.train.packing.choose_layout`).
     """
     if not examples:
         raise ValueError("SFT needs at least one (prompt, response) example")
@@ -44,6 +42,7 @@ def sft(
         kind=cfg.schedule,
         min_lr_ratio=0.05,
     )
+    layout = choose_layout(model, packing)
     rng = random.Random(seed)
     losses: list[float] = []
     step = 0
@@ -57,9 +56,9 @@ def sft(
             n_tokens = float(sum(lens))
             optimizer.zero_grad(set_to_none=True)
             total_loss = 0.0
-            for idx in pack_by_tokens([len(s) for s in seqs], micro_batch_tokens):
+            for idx in micro_batches([len(s) for s in seqs], micro_batch_tokens, layout):
                 out = response_logprobs(
-                    model, [seqs[i] for i in idx], [lens[i] for i in idx], packing=packing
+                    model, [seqs[i] for i in idx], [lens[i] for i in idx], layout=layout
                 )
                 loss = -out.logprobs.sum() / n_tokens
                 loss.backward()

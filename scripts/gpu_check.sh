@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU kit: run weir's GPU tests and the one-step benchmark on a GPU machine.
+#
+#   scripts/gpu_check.sh [WHEEL_DIR]     # default .whl (made by scripts/gpu_wheels.sh), optional
+#
+# Needs only python3 with torch (CUDA build) and transformers. weir is used from this checkout
+# (PYTHONPATH), nothing is installed system-wide: weir's other dependencies come from the wheels
+# in WHEEL_DIR, unpacked into a private directory ($WEIR_SITE, default /tmp/weir-site). No network.
+# GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_QUICK=0 runs it at full size (slower);
+# GPU_CHECK_OUT names where results go (default gpu_check_out/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${1:-.whl}
+PY=${PYTHON:-python3}
+SITE=${WEIR_SITE:-/tmp/weir-site}
+OUTDIR=${GPU_CHECK_OUT:-gpu_check_out}
+mkdir -p "$OUTDIR"
+
+"$PY" - <<'PYEOF' || exit 2
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device (torch " + torch.__version__ + "); run this on a GPU machine")
+print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+PYEOF
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+missing=$("$PY" - <<'PYEOF'
+import importlib
+mods = ["transformers", "pydantic", "yaml", "typer", "rich", "math_verify", "hypothesis", "pytest", "safetensors", "numpy"]
+print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))
+PYEOF
+)
+if [ -n "$missing" ]; then
+  echo "gpu_check: missing Python modules: $missing; bring their wheels (scripts/gpu_wheels.sh) in $WHEELS" >&2
+  exit 2
+fi
+
+export PYTHONUNBUFFERED=1
+"$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml "$OUTDIR/gpu_tests.xml" \
+  2>&1 | tee "$OUTDIR/gpu_tests.log"
+status=${PIPESTATUS[0]}
+
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
+  quick=(--quick)
+  [ "${GPU_CHECK_QUICK:-1}" = 0 ] && quick=()
+  "$PY" benchmarks/gpu_step.py "${quick[@]}" --grpo-steps "${GPU_CHECK_GRPO_STEPS:-20}" --ray \
+    --out "$OUTDIR/gpu_step.json" 2>&1 | tee "$OUTDIR/gpu_step.log" || status=1
+fi
+exit "$status"

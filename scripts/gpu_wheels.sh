@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Download, on a machine with network, the wheels scripts/gpu_check.sh needs on a bare GPU machine
+# that has only torch, transformers and the usual scientific packages (no network there).
+#   scripts/gpu_wheels.sh [DIR]        # default .whl; versions pinned to this checkout's .venv
+# Wheels are for CPython 3.12 on x86-64 Linux (PY_VERSION to change). Already-present packages on
+# the GPU machine are not touched: gpu_check.sh installs these into a private target directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-.whl}
+PY=${PYTHON:-.venv/bin/python}
+PY_VERSION=${PY_VERSION:-3.12}
+# weir's own dependencies a torch+transformers image usually lacks, plus the test tools
+NAMES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions pyyaml typer
+       click rich markdown-it-py mdurl pygments shellingham math-verify latex2sympy2-extended
+       antlr4-python3-runtime hypothesis sortedcontainers pytest pluggy iniconfig packaging)
+mkdir -p "$DIR"
+for name in "${NAMES[@]}"; do
+  version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) || {
+    echo "gpu_wheels: $name is not installed in $PY; skipped" >&2; continue; }
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$DIR" "$name==$version" \
+    || "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR" "$name==$version"
+done
+ls "$DIR"

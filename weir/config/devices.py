@@ -1,0 +1,61 @@
+"""Device and dtype names from the config (`auto`, `cpu`, `cuda:1`, `bfloat16`) -> torch objects.
+
+Shared by the trainer and the engines, so that `auto` means the same thing on both sides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(spec: str, *, key: str = "device") -> torch.device:
+    """`auto` -> the current CUDA device when CUDA is available, else the CPU; otherwise the named one.
+
+    A CUDA device asked for on a machine without CUDA is a config error, reported as one line.
+    """
+    if spec == "auto":
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if cuda_available()
+            else torch.device("cpu")
+        )
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not cuda_available():
+            raise ValueError(
+                f"{key}={spec}: this machine has no CUDA device; use {key}=cpu or auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{key}={spec}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return device
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_dtype(
+    spec: str | None, device: torch.device, *, gpu_default: str = "bfloat16"
+) -> torch.dtype:
+    """`auto` (or None) -> `gpu_default` on CUDA, float32 elsewhere; otherwise the named dtype."""
+    if spec in (None, "auto"):
+        return DTYPES[gpu_default] if device.type == "cuda" else torch.float32
+    return DTYPES[spec]
+
+
+def enable_tf32(device: torch.device, *, deterministic: bool) -> bool:
+    """Let float32 matmuls and convolutions use TF32 tensor cores on CUDA (Ampere and newer).
+
+    TF32 keeps float32's range with a 10-bit mantissa in the multiply, as cuBLAS does by default
+    for most frameworks. Off in deterministic runs (exact float32 numbers are part of the claim).
+    Returns whether it was turned on.
+    """
+    if device.type != "cuda" or deterministic:
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True

@@ -1,0 +1,69 @@
+"""Where and in which precision the trainer computes: device, master-weight dtype, compute dtype.
+
+Mixed precision as large-model training does it: the parameters, their gradients and AdamW's
+moments stay in `param_dtype` (float32), while the forward and backward matmuls run in
+`compute_dtype` (bfloat16 on a GPU). A bf16 update `w + lr * u` with lr 1e-6 is below bf16's
+resolution (8 bits of mantissa: |w| * 2^-8) for most weights and is lost; on float32 masters
+it is kept. Locally the compute dtype is applied with `torch.autocast`; on Ray FSDP2's
+`MixedPrecisionPolicy` casts the gathered shards instead (weir.train.distributed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from weir.config.devices import enable_tf32, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The trainer's device and dtypes, resolved from `train.*` (no `auto` left)."""
+
+    device: torch.device
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, train, *, device: str | torch.device | None = None) -> Precision:
+        """Resolve `train.device`, `train.param_dtype` and `train.compute_dtype`.
+
+        `device` overrides `train.device` (a Ray rank is handed the GPU Ray gave it).
+        """
+        dev = (
+            torch.device(device)
+            if device is not None
+            else resolve_device(train.device, key="train.device")
+        )
+        param = resolve_dtype(train.param_dtype, dev, gpu_default="float32")
+        compute = resolve_dtype(train.compute_dtype, dev)
+        if param == torch.bfloat16 and compute == torch.float32:
+            raise ValueError(
+                "train.compute_dtype=float32 with train.param_dtype=bfloat16 computes in more "
+                "precision than the weights hold; use param_dtype=float32 or compute_dtype=bfloat16"
+            )
+        return cls(dev, param, compute)
+
+    @property
+    def mixed(self) -> bool:
+        """Compute in a narrower dtype than the master weights."""
+        return self.compute_dtype != self.param_dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Run the enclosed forward in `compute_dtype` (a no-op when it equals `param_dtype`)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+
+def setup_device(precision: Precision, *, deterministic: bool) -> None:
+    """Select the CUDA device and enable TF32 matmuls where allowed."""
+    if precision.device.type == "cuda":
+        torch.cuda.set_device(precision.device)
+    if enable_tf32(precision.device, deterministic=deterministic):
+        log.info("TF32 matmuls enabled on %s", precision.device)
