@@ -14,6 +14,7 @@ import torch
 
 from weir.buffer import BufferClosed, StalenessBuffer
 from weir.config import Config
+from weir.loop.colocate import engine_asleep
 from weir.loop.components import Components, build
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
@@ -83,7 +84,8 @@ def run_async(
                 continue
             if colocated:
                 parts.engine.pause_sync()
-            stats = parts.trainer.train(batch)
+            with engine_asleep(cfg, parts.engine, when=colocated):
+                stats = parts.trainer.train(batch)
             sync = swap_weights(parts, run.bump_version(), abort=policy == "abort")
             if colocated:
                 parts.engine.resume_sync()

@@ -18,6 +18,7 @@ from weir.config import Config
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
+from weir.engine.kv_budget import kv_options
 from weir.engine.torch_engine import TorchEngine
 from weir.plugins import resolve
 from weir.rollout.multi_turn import agent_extras
@@ -143,6 +144,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
         num_threads=cfg.loop.engine_threads if concurrent else None,
+        **kv_options(cfg.engine),
     )
 
 
