@@ -156,9 +156,9 @@ def plan_slabs(
 
     New slabs double the capacity that ran out (``max(need, 2 * old)``, capped at ``max_rows`` /
     ``max_cols`` unless the need itself is larger), so that ``k`` admissions of growing need cost
-    O(log k) reallocations. Under a budget, the largest of {doubled, doubled rows only, doubled
-    columns only, exact need} whose peak fits is taken; after the join the slabs plus one slab's
-    worth of scratch (row moves) must fit too. `live` counts every KV byte alive now, the current
+    O(log k) reallocations. Under a budget, the largest capacity on the way from the exact need to
+    the doubled one (both dimensions in step, 1/64 at a time) whose peak fits is taken; after the
+    join the slabs plus one slab's worth of scratch (row moves) must fit too. `live` counts every KV byte alive now, the current
     slabs (``old_bytes``) included. With `copy_old` the live rows move to the new slabs tensor by
     tensor (`realloc_peak`); without, the old slabs are freed first. None: nothing fits, wait.
     """
@@ -168,16 +168,30 @@ def plan_slabs(
     rows_g = max(need_rows, min(2 * cap_rows, max_rows)) if need_rows > cap_rows else cap_rows
     cols_g = max(need_cols, min(2 * cap_cols, max_cols)) if need_cols > cap_cols else cap_cols
     rows_x, cols_x = max(need_rows, 1), max(need_cols, 1)
-    for rows, cols in ((rows_g, cols_g), (rows_x, cols_g), (rows_g, cols_x), (rows_x, cols_x)):
+
+    def at(step: int) -> SlabPlan | None:  # step/STEPS of the way from the exact need to doubled
+        rows = rows_x + (rows_g - rows_x) * step // _STEPS
+        cols = cols_x + (cols_g - cols_x) * step // _STEPS
         new_bytes = rows * cols * cell
         if copy_old and old_bytes:
             peak = realloc_peak(live, old_bytes, new_bytes, tensors)
         else:
             peak = live - old_bytes + new_bytes
         after = live - old_bytes + new_bytes + new_bytes // tensors
-        if _fits(peak, budget) and _fits(after, budget):
-            return SlabPlan(rows, cols, peak, True)
-    return None
+        ok = _fits(peak, budget) and _fits(after, budget)
+        return SlabPlan(rows, cols, peak, True) if ok else None
+
+    best = at(_STEPS)
+    if best is not None or at(0) is None:
+        return best
+    lo, hi = 0, _STEPS  # at(lo) fits, at(hi) does not; the bytes grow with the step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if at(mid) is not None else (lo, mid)
+    return at(lo)
+
+
+_STEPS = 64
 
 
 def _fits(nbytes: int, budget: int | None) -> bool:
