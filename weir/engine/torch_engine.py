@@ -25,7 +25,11 @@ used column, the left columns of shorter rows are padding, masked out. So a deco
 column for all rows in place (no re-concatenation); a finished row's slot is filled by moving the last
 row into it (only the moved rows are copied); the columns that became padding for every remaining row
 are dropped by advancing ``c0``; newcomers are written into free rows, extending the used columns to
-the left when their prompt is longer. The slabs are reallocated only when rows or columns run out.
+the left when their prompt is longer. When rows or columns run out the slabs are reallocated with
+doubled capacity (within the KV budget), so that most admissions reuse them; when only the right
+edge ran out, the live columns move within the slabs. Memory is accounted exactly and admission
+respects ``kv_budget_gb`` (`weir.engine.kv_budget`); ``sleep_sync`` / ``wake_sync`` free the KV
+cache (and optionally park the weights in host memory) while a colocated trainer trains.
 
 Sampling and seeds
 ------------------
@@ -1037,6 +1041,7 @@ class TorchEngine:
         if self._stale_kv:
             self._stale_kv = False
             if self._batch.n:
+                self._batch.cache = None  # rebuilt from the tokens: free the old KV first
                 self._recompute_kv()
         newcomers = self._take_pending()
         if newcomers:
