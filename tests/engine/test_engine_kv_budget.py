@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from engine_helpers import assert_parity, make_prompts
+from engine_helpers import assert_parity, make_prompts, ref_logprobs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -210,3 +210,24 @@ def test_sleep_with_requests_in_flight_rebuilds_their_kv_on_wake(make_engine, mo
     for prompt, fut in zip(prompts, futures, strict=True):
         for completion in fut.result(timeout=30):
             assert_parity(model, prompt, completion)
+
+
+def test_weight_update_mid_flight_under_a_budget(make_engine, model):
+    budget = alone_need(model, 12, 2, 30) * 3
+    eng = make_engine(model, kv_budget_gb=budget / 1024**3)
+    prompts = make_prompts(6, 4, 12, seed=6)
+    futures = eng.submit_many(prompts, SamplingParams(n=2, max_new_tokens=30, seed=1))
+    wait_for(lambda: eng.stats()["decode_steps"] >= 3)
+    with torch.no_grad():
+        new = {n: p + 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}
+    eng.update_weights_sync(new.items(), version=1)
+    after = 0
+    for prompt, fut in zip(prompts, futures, strict=True):
+        for c in fut.result(timeout=60):
+            later = [i for i, v in enumerate(c.versions) if v == 1]
+            if later:  # tokens after the update: exactly the new policy's, on the full context
+                k, after = later[0], after + 1
+                ref = ref_logprobs(model, prompt + c.token_ids[:k], c.token_ids[k:])
+                assert torch.allclose(ref, torch.tensor(c.logprobs[k:]), atol=1e-5)
+    assert after > 0
+    assert eng.kv_stats()["kv_peak_bytes"] <= budget
