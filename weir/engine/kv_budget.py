@@ -156,9 +156,10 @@ def plan_slabs(
 
     New slabs double the capacity that ran out (``max(need, 2 * old)``, capped at ``max_rows`` /
     ``max_cols`` unless the need itself is larger), so that ``k`` admissions of growing need cost
-    O(log k) reallocations. Under a budget, the largest capacity on the way from the exact need to
-    the doubled one (both dimensions in step, 1/64 at a time) whose peak fits is taken; after the
-    join the slabs plus one slab's worth of scratch (row moves) must fit too. `live` counts every KV byte alive now, the current
+    O(log k) reallocations. Under a budget, the largest capacity that fits on the way from "the
+    exhausted dimension at its need, the other at its current capacity" to doubled, else from the
+    exact need to that point (1/64 steps); after the join the slabs plus one slab's worth of
+    scratch (row moves) must fit too. `live` counts every KV byte alive now, the current
     slabs (``old_bytes``) included. With `copy_old` the live rows move to the new slabs tensor by
     tensor (`realloc_peak`); without, the old slabs are freed first. None: nothing fits, wait.
     """
@@ -168,10 +169,10 @@ def plan_slabs(
     rows_g = max(need_rows, min(2 * cap_rows, max_rows)) if need_rows > cap_rows else cap_rows
     cols_g = max(need_cols, min(2 * cap_cols, max_cols)) if need_cols > cap_cols else cap_cols
     rows_x, cols_x = max(need_rows, 1), max(need_cols, 1)
+    # The dimension that did not run out keeps its capacity if it can (no shape thrash).
+    rows_k, cols_k = max(rows_x, min(cap_rows, rows_g)), max(cols_x, min(cap_cols, cols_g))
 
-    def at(step: int) -> SlabPlan | None:  # step/STEPS of the way from the exact need to doubled
-        rows = rows_x + (rows_g - rows_x) * step // _STEPS
-        cols = cols_x + (cols_g - cols_x) * step // _STEPS
+    def plan(rows: int, cols: int) -> SlabPlan | None:
         new_bytes = rows * cols * cell
         if copy_old and old_bytes:
             peak = realloc_peak(live, old_bytes, new_bytes, tensors)
@@ -181,14 +182,27 @@ def plan_slabs(
         ok = _fits(peak, budget) and _fits(after, budget)
         return SlabPlan(rows, cols, peak, True) if ok else None
 
-    best = at(_STEPS)
-    if best is not None or at(0) is None:
-        return best
-    lo, hi = 0, _STEPS  # at(lo) fits, at(hi) does not; the bytes grow with the step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if at(mid) is not None else (lo, mid)
-    return at(lo)
+    def largest(lo_rc: tuple[int, int], hi_rc: tuple[int, int]) -> SlabPlan | None:
+        """The largest fitting plan on the segment lo -> hi (1/64 steps; bytes grow along it)."""
+
+        def at(step: int) -> SlabPlan | None:
+            return plan(
+                lo_rc[0] + (hi_rc[0] - lo_rc[0]) * step // _STEPS,
+                lo_rc[1] + (hi_rc[1] - lo_rc[1]) * step // _STEPS,
+            )
+
+        best = at(_STEPS)
+        if best is not None or at(0) is None:
+            return best
+        lo, hi = 0, _STEPS  # at(lo) fits, at(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if at(mid) is not None else (lo, mid)
+        return at(lo)
+
+    return largest((rows_k, cols_k), (rows_g, cols_g)) or largest(
+        (rows_x, cols_x), (rows_k, cols_k)
+    )
 
 
 _STEPS = 64
