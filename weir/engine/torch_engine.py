@@ -399,6 +399,14 @@ class _Running(_Rows):
                 setattr(layer, name, buf)
             layer.dtype, layer.device, layer.is_initialized = ref.dtype, ref.device, True
         self.kv.reallocs += 1
+        real = sum(
+            t.numel() * t.element_size() for layer in new.layers for t in (layer.keys, layer.values)
+        )
+        if self.kv.cell and real != rows_cap * cols_cap * self.kv.cell:
+            raise NotImplementedError(
+                f"the model's KV tensors take {real} bytes for {rows_cap} x {cols_cap} cells, not the "
+                f"{self.kv.cell} bytes per cell its config implies; the KV budget cannot be kept"
+            )
         if b and new_len > length:
             self.start += new_len - length
         self.cache, self.geo = new, new_geo
