@@ -74,9 +74,8 @@ def test_plan_fits_the_budget_covers_the_need_and_grows_at_most_twofold(
         exact_peak = simulate_realloc(other + old, old, exact, tensors)
     else:
         exact_peak = other + exact
-    exact_ok = exact_peak <= (budget or 10**12) and other + exact + exact // tensors <= (
-        budget or 10**12
-    )
+    bound = 10**12 if budget is None else budget
+    exact_ok = exact_peak <= bound and other + exact + exact // tensors <= bound
     if plan is None:
         assert budget is not None
         assert not exact_ok if not fits_now else other + old + old // tensors > budget
