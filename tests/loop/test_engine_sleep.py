@@ -63,3 +63,34 @@ def test_engine_sleeps_while_the_trainer_trains(
         assert engine_weights_gone == offloaded
         assert not trainer_weights_gone
     assert engines[0].kv_stats()["asleep"] == 0.0  # awake again after training
+
+
+def test_a_kv_budget_too_small_for_the_runs_requests_is_refused_at_start(tmp_path):
+    # tiny:nano in float32; max_prompt_tokens 512 alone needs more than 1 KiB.
+    cfg = {**SMALL, "engine": {"kv_budget_gb": 2**-20}}
+    with pytest.raises(ValueError, match=r"n=2 .*raise engine.kv_budget_gb"):
+        weir.run(cfg, [f"run.dir={tmp_path}"])
+
+
+def test_a_kv_budget_that_binds_still_trains(tmp_path, monkeypatch):
+    # tiny:nano in float32 is 512 bytes per token; a 32-token prompt with n=4 and 4 new tokens
+    # needs 32 + 4 * 35 * (1 + 1/4) = 207 tokens' worth, the most any request of this run can need.
+    budget = 1.05 * 207 * 512
+    engines = []
+    make = components.make_engine
+    monkeypatch.setattr(
+        components, "make_engine", lambda *a, **k: engines.append(make(*a, **k)) or engines[-1]
+    )
+    cfg = {
+        **SMALL,
+        "data": {**SMALL["data"], "max_prompt_tokens": 32},
+        "rollout": {**SMALL["rollout"], "n": 4, "batch_prompts": 8},
+    }
+    weir.run(cfg, [f"run.dir={tmp_path / 'free'}"])
+    assert engines[0].kv_stats()["kv_peak_bytes"] > budget  # without it, more is alive at once
+    engines.clear()
+    result = weir.run({**cfg, "engine": {"kv_budget_gb": budget / 2**30}}, [f"run.dir={tmp_path}"])
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 2
+    assert all(h["rollout/failed_frac"] == 0.0 for h in steps)
+    assert 0 < engines[0].kv_stats()["kv_peak_bytes"] <= budget

@@ -1130,16 +1130,38 @@ class TorchEngine:
         return b.plan(rows, new_len + headroom, extra=prefill) is not None
 
     def _kv_refusal(self, req: _Request) -> KVBudgetError:
+        return self._kv_error(len(req.prompt), req.params.n, self._max_new(req))
+
+    def _kv_error(self, prompt_len: int, n: int, max_new: int) -> KVBudgetError:
         kv = self._kv
-        cols = len(req.prompt) + self._max_new(req) - 1
-        need = len(req.prompt) * kv.cell + req.params.n * cols * kv.cell * (1 + 1 / kv.tensors)
+        cols = prompt_len + max_new - 1
+        need = self.kv_request_bytes(prompt_len, n, max_new)
         return KVBudgetError(
-            f"a request with a {len(req.prompt)}-token prompt, n={req.params.n} and up to "
-            f"{self._max_new(req)} new tokens needs {need / GB:.3g} GiB of KV cache "
-            f"({req.params.n} rows x {cols} columns x {kv.cell} bytes, with its prefill and scratch), "
-            f"more than the engine's KV budget of {kv.budget / GB:.3g} GiB; raise "
-            "engine.kv_budget_gb (or engine.kv_budget_fraction), or lower n / max_new_tokens"
+            f"a request with a {prompt_len}-token prompt, n={n} and up to {max_new} new tokens "
+            f"needs {need / GB:.3g} GiB of KV cache ({n} rows x {cols} columns x {kv.cell} bytes, "
+            f"with its prefill and scratch), more than the engine's KV budget of "
+            f"{kv.budget / GB:.3g} GiB; raise engine.kv_budget_gb (or engine.kv_budget_fraction), "
+            "or lower n / max_new_tokens"
         )
+
+    def kv_request_bytes(self, prompt_len: int, n: int, max_new_tokens: int) -> int:
+        """KV bytes one request needs at its peak on an otherwise empty engine: its prompt's prefill
+        row, then ``n`` rows of ``prompt_len + max_new - 1`` columns, plus one slab of scratch."""
+        kv = self._kv
+        max_new = min(max_new_tokens, self.max_seq_len - prompt_len)
+        slabs = n * (prompt_len + max_new - 1) * kv.cell
+        return prompt_len * kv.cell + slabs + slabs // kv.tensors
+
+    def check_fits(self, prompt_len: int, n: int, max_new_tokens: int) -> None:
+        """Raise `KVBudgetError` when a request of this size could never be admitted (at start-up,
+        so that a run whose every request would fail is refused before it begins)."""
+        kv = self._kv
+        prompt_len = min(prompt_len, self.max_seq_len - 1)
+        if (
+            kv.budget is not None
+            and self.kv_request_bytes(prompt_len, n, max_new_tokens) > kv.budget
+        ):
+            raise self._kv_error(prompt_len, n, min(max_new_tokens, self.max_seq_len - prompt_len))
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _SlabCache

@@ -14,8 +14,8 @@ import torch
 
 from weir.buffer import BufferClosed, StalenessBuffer
 from weir.config import Config
-from weir.loop.colocate import engine_asleep
 from weir.loop.components import Components, build
+from weir.loop.engine_memory import engine_asleep
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
 from weir.loop.sync import RunResult, check_failures, eval_metrics, finish, push_weights

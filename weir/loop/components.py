@@ -20,6 +20,7 @@ from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
 from weir.engine.kv_budget import kv_options
 from weir.engine.torch_engine import TorchEngine
+from weir.loop.engine_memory import check_kv_budget
 from weir.plugins import resolve
 from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
@@ -137,7 +138,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
     concurrent = cfg.loop.mode == "async"
     if concurrent or not cfg.engine.share_weights:
         model = copy.deepcopy(model)
-    return TorchEngine(
+    engine = TorchEngine(
         model,
         eos_token_ids=eos_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -146,6 +147,8 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         num_threads=cfg.loop.engine_threads if concurrent else None,
         **kv_options(cfg.engine),
     )
+    check_kv_budget(cfg, engine)
+    return engine
 
 
 def make_contexts(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weir.config import Config
-from weir.loop.colocate import engine_asleep
 from weir.loop.components import Components, build
+from weir.loop.engine_memory import engine_asleep
 from weir.loop.resume import say
 from weir.loop.run import Run, RunError
 from weir.rollout.collect import collect_groups, failure_summary

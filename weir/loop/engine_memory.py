@@ -1,4 +1,5 @@
-"""Time-slicing one device between the engine and the trainer: the engine sleeps while it trains."""
+"""The engine's memory as the loop sees it: asleep while the trainer trains (one device, time-sliced),
+and a KV budget checked against the run's largest request before the run starts."""
 
 from __future__ import annotations
 
@@ -23,3 +24,18 @@ def engine_asleep(cfg: Config, engine: object, when: bool = True) -> Iterator[No
         yield
     finally:
         engine.wake_sync()
+
+
+def check_kv_budget(cfg: Config, engine: TorchEngine) -> None:
+    """Refuse at start-up a KV budget too small for the run's largest request (a prompt of
+    data.max_prompt_tokens with rollout or eval n and max_new_tokens); the engine is closed first."""
+    r, e = cfg.rollout, cfg.eval
+    try:
+        engine.check_fits(
+            cfg.data.max_prompt_tokens,
+            max(r.n, e.n),
+            max(r.max_new_tokens, e.max_new_tokens or r.max_new_tokens),
+        )
+    except ValueError:
+        engine.close()
+        raise
