@@ -231,3 +231,12 @@ def test_weight_update_mid_flight_under_a_budget(make_engine, model):
                 assert torch.allclose(ref, torch.tensor(c.logprobs[k:]), atol=1e-5)
     assert after > 0
     assert eng.kv_stats()["kv_peak_bytes"] <= budget
+
+
+def test_closing_an_engine_asleep_gives_the_model_its_weights_back(make_engine, model):
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eng = make_engine(model)
+    eng.sleep_sync(offload_weights=True)
+    eng.close()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n])

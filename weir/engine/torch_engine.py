@@ -992,6 +992,9 @@ class TorchEngine:
             with self._mu:
                 self._closed = self._stopping = True
             with self._step_lock, torch.inference_mode(False):
+                if self._offloaded is not None:  # closed asleep: the model gets its weights back
+                    self._offloaded.restore()
+                    self._offloaded = None
                 if died is None:
                     self._abort_all()
                 else:  # never leave a caller waiting
