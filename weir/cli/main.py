@@ -56,7 +56,8 @@ def _user_errors(fn):
                 raise
             if os.environ.get("WEIR_DEBUG"):
                 raise
-            console.print(f"[red]error:[/red] {err}")
+            # soft_wrap: a one-line error stays one line (the terminal wraps it, not rich)
+            console.print(f"[red]error:[/red] {err}", soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             if os.environ.get("WEIR_DEBUG"):

@@ -241,6 +241,30 @@ class EngineConfig(Section):
     replica), `cpu`, `cuda` or `cuda:N`."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Built-in engine weight dtype. `auto`: bfloat16 on CUDA, float32 on CPU."""
+    kv_budget_gb: float | None = Field(None, gt=0)
+    """Most KV cache the built-in engine holds at once, in GiB (2 x layers x kv_heads x head_dim x
+    dtype bytes per token of each sequence, prefill and scratch included; activations not counted).
+    Requests wait for room; one that can never fit fails with a message. Null: no limit."""
+    kv_budget_fraction: float | None = Field(None, gt=0, le=1)
+    """Instead of kv_budget_gb: this fraction of the device memory free when the engine starts
+    (CUDA: torch.cuda.mem_get_info after the model is loaded; CPU: available RAM)."""
+    kv_idle_release_s: float | None = Field(10.0, ge=0)
+    """Give the KV cache back after the engine has been idle this many seconds; null keeps it."""
+    sleep_while_training: bool = True
+    """Sync loop, and async with loop.placement=colocated: the engine frees its KV cache while the
+    trainer trains (requests in flight keep their tokens; their KV is rebuilt on wake)."""
+    sleep_offload_weights: bool = False
+    """While asleep, also park the engine's weights in host memory. Only when the engine has its own
+    copy (share_weights=false, loop.mode=async, or another device or dtype than the trainer's); a
+    shared module stays where it is."""
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> EngineConfig:
+        if self.kv_budget_gb is not None and self.kv_budget_fraction is not None:
+            raise ValueError(
+                "set engine.kv_budget_gb or engine.kv_budget_fraction, not both (null the other)"
+            )
+        return self
 
 
 class ServeConfig(Section):

@@ -15,6 +15,7 @@ import torch
 from weir.config import Config
 from weir.config.devices import resolve_dtype
 from weir.engine.base import Completion, SamplingParams
+from weir.engine.kv_budget import kv_options
 from weir.engine.torch_engine import TorchEngine
 
 
@@ -46,6 +47,7 @@ class EngineWorker:
             max_batch_size=cfg.engine.max_batch_size,
             seed=cfg.run.seed + index,
             num_threads=1,
+            **kv_options(cfg.engine),
         )
 
     async def ping(self) -> int:
@@ -72,6 +74,12 @@ class EngineWorker:
 
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+    async def sleep(self, offload_weights: bool = False) -> None:
+        await self.engine.sleep(offload_weights)
+
+    async def wake(self) -> None:
+        await self.engine.wake()
 
     async def close(self) -> None:
         self.engine.close()

@@ -25,7 +25,11 @@ used column, the left columns of shorter rows are padding, masked out. So a deco
 column for all rows in place (no re-concatenation); a finished row's slot is filled by moving the last
 row into it (only the moved rows are copied); the columns that became padding for every remaining row
 are dropped by advancing ``c0``; newcomers are written into free rows, extending the used columns to
-the left when their prompt is longer. The slabs are reallocated only when rows or columns run out.
+the left when their prompt is longer. When rows or columns run out the slabs are reallocated with
+doubled capacity (within the KV budget), so that most admissions reuse them; when only the right
+edge ran out, the live columns move within the slabs. Memory is accounted exactly and admission
+respects ``kv_budget_gb`` (`weir.engine.kv_budget`); ``sleep_sync`` / ``wake_sync`` free the KV
+cache (and optionally park the weights in host memory) while a colocated trainer trains.
 
 Sampling and seeds
 ------------------
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import random
 import threading
 import time
@@ -72,7 +77,20 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from weir.engine.base import Completion, SamplingParams
+from weir.engine.kv_budget import (
+    GB,
+    KVBudgetError,
+    KVMeter,
+    KVState,
+    SlabPlan,
+    bind_meter,
+    current_meter,
+    measure_cell_bytes,
+    plan_slabs,
+    resolve_budget,
+)
 from weir.engine.masks import layer_masks
+from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
 from weir.engine.support import model_support
 from weir.telemetry.timeline import span
 
@@ -151,6 +169,10 @@ class _SlabLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states.new_zeros(b, h, self.capacity, key_states.shape[-1])
         self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        meter = current_meter()
+        if meter is not None:
+            meter.track(self.keys)
+            meter.track(self.values)
         self.is_initialized = True
 
     def update(
@@ -296,10 +318,13 @@ class _Rows:
 class _Running(_Rows):
     """The running batch: rows plus their KV slabs (geometry shared with the cache layers)."""
 
-    def __init__(self, num_layers: int, device: torch.device, max_rows: int):
+    def __init__(
+        self, num_layers: int, device: torch.device, max_rows: int, kv: KVState | None = None
+    ):
         self.num_layers = num_layers
         self.device = device
         self.max_rows = max_rows
+        self.kv = kv or KVState(0, 2 * num_layers, None, 1 << 62, KVMeter())
         z = torch.zeros(0, 8, dtype=torch.long, device=device)
         super().__init__(
             z,
@@ -324,11 +349,12 @@ class _Running(_Rows):
         new_len = max(length, lp)
         headroom = max(self.remaining(), inc.remaining())
         c0 = geo.c0 - (new_len - length) if b else 0
-        rows_cap = self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
-        cols_cap = self.cache.layers[0].keys.shape[2] if self.cache is not None else 0
-        if self.cache is None or b + m > rows_cap or c0 < 0 or c0 + new_len + headroom > cols_cap:
+        rows_cap, cols_cap = self.capacity()
+        if self.cache is None or b + m > rows_cap or new_len + headroom > cols_cap:
             self._realloc_cache(b + m, new_len, headroom, pcache)
             geo = self.geo
+        elif c0 < 0 or c0 + new_len + headroom > cols_cap:
+            self._move_live(new_len)  # the capacity suffices; the live columns sit too far right
         elif new_len > length or not b:
             # Extend the used columns to the left (stale columns there are finite and masked out).
             if b:
@@ -349,27 +375,104 @@ class _Running(_Rows):
         right-aligned to column `new_len` (c0 = 0)."""
         geo = self.geo
         b, length = self.n, geo.length
-        rows_cap = self.cache.layers[0].keys.shape[0] if self.cache is not None else 0
-        if rows > rows_cap:  # grow geometrically, up to the batch limit
-            rows_cap = max(rows, min(2 * rows_cap, self.max_rows))
-        cols_cap = new_len + headroom
+        plan = self.plan(rows, new_len + headroom)
+        if plan is None or not plan.realloc:  # over budget (only the decode-time safety net gets
+            # here: admission checked the plan) or large enough: the exact need, in new slabs
+            plan = SlabPlan(max(rows, self.capacity()[0]), new_len + headroom, 0, True)
+        rows_cap, cols_cap = plan.rows, plan.cols
+        old = self.cache
+        if not b:
+            self.cache = old = None  # nothing to copy: free the old slabs before allocating
         new_geo = _Geometry(b, 0, new_len)
         new = _SlabCache(self.num_layers, new_geo, cols_cap)
+        meter = self.kv.meter
         for i, layer in enumerate(new.layers):
             ref = like.layers[i]
             for name in ("keys", "values"):
                 t = getattr(ref, name)
-                buf = t.new_zeros(rows_cap, t.shape[1], cols_cap, t.shape[3])
+                buf = meter.track(t.new_zeros(rows_cap, t.shape[1], cols_cap, t.shape[3]))
                 if b:
-                    old = getattr(self.cache.layers[i], name)
+                    src = getattr(old.layers[i], name)
                     buf[:b, :, new_len - length : new_len].copy_(
-                        old[:b, :, geo.c0 : geo.c0 + length]
+                        src[:b, :, geo.c0 : geo.c0 + length]
                     )
+                    setattr(old.layers[i], name, None)  # free each old slab once copied
+                    del src
                 setattr(layer, name, buf)
             layer.dtype, layer.device, layer.is_initialized = ref.dtype, ref.device, True
+        self.kv.reallocs += 1
+        real = sum(
+            t.numel() * t.element_size() for layer in new.layers for t in (layer.keys, layer.values)
+        )
+        if self.kv.cell and real != rows_cap * cols_cap * self.kv.cell:
+            raise NotImplementedError(
+                f"the model's KV tensors take {real} bytes for {rows_cap} x {cols_cap} cells, not the "
+                f"{self.kv.cell} bytes per cell measured at start; the KV budget cannot be kept"
+            )
         if b and new_len > length:
             self.start += new_len - length
         self.cache, self.geo = new, new_geo
+
+    # -- capacity -----------------------------------------------------------------------------------
+
+    def capacity(self) -> tuple[int, int]:
+        """Rows and columns of the current slabs (0, 0 when there are none)."""
+        if self.cache is None:
+            return 0, 0
+        keys = self.cache.layers[0].keys
+        return int(keys.shape[0]), int(keys.shape[2])
+
+    def slab_bytes(self) -> int:
+        rows, cols = self.capacity()
+        return rows * cols * self.kv.cell
+
+    def plan(self, need_rows: int, need_cols: int, extra: int = 0) -> SlabPlan | None:
+        """Slabs for `need_rows` rows x `need_cols` columns (`plan_slabs`), with `extra` bytes more
+        alive meanwhile (a prefill not yet run)."""
+        kv = self.kv
+        rows_cap, cols_cap = self.capacity()
+        return plan_slabs(
+            need_rows=need_rows,
+            need_cols=need_cols,
+            cap_rows=rows_cap,
+            cap_cols=cols_cap,
+            max_rows=self.max_rows,
+            max_cols=kv.max_cols,
+            live=kv.meter.live + extra,
+            old_bytes=self.slab_bytes(),
+            cell=kv.cell,
+            tensors=kv.tensors,
+            budget=kv.budget,
+            copy_old=self.n > 0,
+        )
+
+    def _move_live(self, new_len: int) -> None:
+        """Move the live columns within the slabs so that they end at column `new_len` (c0 = 0), one
+        slab at a time through a scratch copy of its live part."""
+        geo = self.geo
+        b, c0, length = self.n, geo.c0, geo.length
+        dst0 = new_len - length
+        meter = self.kv.meter
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                src = t[:b, :, c0 : c0 + length]
+                if abs(dst0 - c0) < length:  # overlapping ranges: go through scratch
+                    src = meter.track(src.clone())
+                t[:b, :, dst0 : dst0 + length].copy_(src)
+                del src
+        if b and new_len > length:
+            self.start += new_len - length
+        geo.c0, geo.length = 0, new_len
+        self.kv.moves += 1
+
+    def release_cache(self) -> None:
+        """Drop the slabs (their memory is freed once nothing else references them). Rows still
+        live need their KV rebuilt (the engine's recompute) before the next decode step."""
+        if self.cache is not None:
+            self.kv.releases += 1
+        self.cache = None
+        self.geo = _Geometry(self.n)
 
     def _append_rows(self, inc: _Rows, start_shift: int) -> None:
         b, m = self.n, inc.n
@@ -414,9 +517,9 @@ class _Running(_Rows):
             mv = torch.tensor(movers, device=self.device)
             for t in (self.ints, self.floats, self.stops, self.out_tok, self.out_lp):
                 t.index_copy_(0, h, t.index_select(0, mv))
-            for layer in self.cache.layers:
+            for layer in self.cache.layers if self.cache is not None else ():
                 for t in self.cache.used(layer):
-                    t.index_copy_(0, h, t.index_select(0, mv))
+                    t.index_copy_(0, h, self.kv.meter.track(t.index_select(0, mv)))
             for lst in (self.reqs, self.sample_idx, self.vchanges):
                 for dst, src in zip(holes, movers, strict=True):
                     lst[dst] = lst[src]
@@ -496,6 +599,12 @@ class TorchEngine:
         num_threads: torch intra-op threads of the engine thread only (OpenMP's setting is per
             thread; the rest of the process keeps its own). None inherits torch's default. With a
             trainer in another thread on the same machine, or a tiny model, 1 is often fastest.
+        kv_budget_gb: the most KV cache (GiB, the engine's own slab arithmetic, see
+            `weir.engine.kv_budget`) alive at once, prefill and scratch included. Requests that do
+            not fit wait (first come, first served); one that can never fit fails with
+            `KVBudgetError`. Activations are not counted.
+        kv_budget_fraction: instead, that fraction of the device memory free when the engine starts.
+        kv_idle_release_s: give the KV slabs back after this many idle seconds (None: keep them).
     """
 
     def __init__(
@@ -511,6 +620,9 @@ class TorchEngine:
         max_prefill_tokens: int = 16384,
         recompute_kv_on_update: bool = True,
         num_threads: int | None = None,
+        kv_budget_gb: float | None = None,
+        kv_budget_fraction: float | None = None,
+        kv_idle_release_s: float | None = None,
     ):
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -535,6 +647,17 @@ class TorchEngine:
         self._vocab_col = torch.arange(self.vocab_size, device=self._device)
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._params.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._kv = KVState(
+            cell=measure_cell_bytes(model, self.pad_token_id),
+            tensors=2 * self._num_layers,
+            budget=resolve_budget(kv_budget_gb, kv_budget_fraction, self._device),
+            max_cols=self.max_seq_len,
+            meter=KVMeter(),
+        )
+        self._kv_idle_release_s = kv_idle_release_s
+        self._last_busy = time.monotonic()
+        self._asleep = False
+        self._offloaded: OffloadedWeights | None = None
 
         self._rng = random.Random(seed)
         self._mu = threading.Lock()  # guards the pending queue and the flags below
@@ -547,7 +670,7 @@ class TorchEngine:
         self._closed = False
         self._stopping = False
         self._stale_kv = False  # set by a weight update: rebuild the running rows' KV cache
-        self._batch = _Running(self._num_layers, self._device, self.max_batch_size)
+        self._batch = self._new_batch()
         self._stats = {
             "requests": 0,
             "generated_tokens": 0,
@@ -628,6 +751,10 @@ class TorchEngine:
         raises and leaves the version unchanged (tensors already copied stay copied).
         """
         with self._exclusive(), torch.no_grad():
+            if self._offloaded is not None:
+                raise RuntimeError(
+                    "update_weights: the engine sleeps with its weights offloaded; wake it first"
+                )
             try:
                 for name, tensor in named_tensors:
                     dst = self._params.get(name)
@@ -650,7 +777,7 @@ class TorchEngine:
                 self._set_version(version)
             finally:
                 # The weights may have changed even when nothing was copied (colocated trainer).
-                self._stale_kv = self._recompute_kv_on_update
+                self._stale_kv = self._stale_kv or self._recompute_kv_on_update
 
     def pause_sync(self) -> None:
         """Stop the loop between decode steps; requests in flight keep their state. Returns once
@@ -706,7 +833,57 @@ class TorchEngine:
             out = dict(self._stats)
             out["running_rows"] = self._batch.n
             out["waiting_requests"] = len(self._pending)
+        out.update(self.kv_stats())
         return out
+
+    def kv_stats(self) -> dict[str, float]:
+        """KV cache memory: bytes alive now and at most so far (the engine's own tensors), the budget
+        (0: none), slab reallocations, in-place moves and releases (idle, sleep)."""
+        kv = self._kv
+        return {
+            "kv_bytes": float(kv.meter.live),
+            "kv_peak_bytes": float(kv.meter.peak),
+            "kv_budget_bytes": float(kv.budget or 0),
+            "kv_reallocs": float(kv.reallocs),
+            "kv_moves": float(kv.moves),
+            "kv_releases": float(kv.releases),
+            "asleep": float(self._asleep),
+        }
+
+    # -- memory: sleep / wake ----------------------------------------------------------------------
+
+    def sleep_sync(self, offload_weights: bool = False) -> None:
+        """Give the engine's memory back until `wake_sync`: the KV cache is freed (requests in flight
+        keep their tokens; their KV is rebuilt when the engine wakes) and, with `offload_weights`,
+        the model's parameters move to host memory. Only offload a model the engine owns, never a
+        trainer's module it shares. Requests submitted meanwhile wait. Idempotent."""
+        with self._exclusive():
+            if self._asleep:
+                return
+            with self._mu:
+                self._asleep = True
+            b = self._batch
+            if b.n:
+                self._stale_kv = True
+            b.release_cache()
+            if offload_weights:
+                self._offloaded = offload_parameters(self.model)
+            return_cached_memory(self._device)
+
+    def wake_sync(self) -> None:
+        """Undo `sleep_sync`: weights back in place (the same values), decoding resumes."""
+        with self._exclusive():
+            if self._offloaded is not None:
+                self._offloaded.restore()
+                self._offloaded = None
+            with self._mu:
+                self._asleep = False
+
+    async def sleep(self, offload_weights: bool = False) -> None:
+        await asyncio.to_thread(self.sleep_sync, offload_weights)
+
+    async def wake(self) -> None:
+        await asyncio.to_thread(self.wake_sync)
 
     # -- async API (the Engine protocol) -----------------------------------------------------------
 
@@ -772,6 +949,9 @@ class TorchEngine:
                 self._interrupts -= 1
                 self._cond.notify_all()
 
+    def _new_batch(self) -> _Running:
+        return _Running(self._num_layers, self._device, self.max_batch_size, self._kv)
+
     def _set_version(self, version: int) -> None:
         version = int(version)
         if version == self.version:
@@ -792,7 +972,7 @@ class TorchEngine:
         if b.n:
             rows = list(range(b.n))
             self._complete(b, rows, ["abort"] * len(rows))
-        self._batch = _Running(self._num_layers, self._device, self.max_batch_size)
+        self._batch = self._new_batch()
 
     # -- internals: the loop -----------------------------------------------------------------------
 
@@ -807,6 +987,9 @@ class TorchEngine:
             with self._mu:
                 self._closed = self._stopping = True
             with self._step_lock, torch.inference_mode(False):
+                if self._offloaded is not None:  # closed asleep: the model gets its weights back
+                    self._offloaded.restore()
+                    self._offloaded = None
                 if died is None:
                     self._abort_all()
                 else:  # never leave a caller waiting
@@ -815,12 +998,16 @@ class TorchEngine:
     def _loop(self) -> None:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
+        bind_meter(self._kv.meter)
         while True:
             with self._mu:
                 while not self._stopping and (
-                    self._paused or self._interrupts or (not self._batch.n and not self._pending)
+                    self._paused
+                    or self._asleep
+                    or self._interrupts
+                    or (not self._batch.n and not self._pending)
                 ):
-                    self._cond.wait()
+                    self._idle_wait()
                 if self._stopping:
                     break
             with self._step_lock:
@@ -834,6 +1021,25 @@ class TorchEngine:
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     self._fail_running(exc)
                 self._stats["busy_s"] += time.perf_counter() - t0
+                self._last_busy = time.monotonic()
+
+    def _idle_wait(self) -> None:
+        """Wait for work (`_mu` held); when idle for ``kv_idle_release_s``, give the slabs back."""
+        b, delay = self._batch, self._kv_idle_release_s
+        if delay is None or b.n or b.cache is None or self._pending:
+            self._cond.wait()
+            return
+        left = self._last_busy + delay - time.monotonic()
+        if left > 0:
+            self._cond.wait(left)
+        elif self._step_lock.acquire(blocking=False):  # not while a control operation runs
+            try:
+                b.release_cache()
+                return_cached_memory(self._device)
+            finally:
+                self._step_lock.release()
+        else:
+            self._cond.wait()
 
     def _iteration(self) -> None:
         if self._cancelled:
@@ -841,6 +1047,7 @@ class TorchEngine:
         if self._stale_kv:
             self._stale_kv = False
             if self._batch.n:
+                self._batch.cache = None  # rebuilt from the tokens: free the old KV first
                 self._recompute_kv()
         newcomers = self._take_pending()
         if newcomers:
@@ -858,7 +1065,7 @@ class TorchEngine:
 
     def _fail_running(self, exc: BaseException) -> None:
         b = self._batch
-        self._batch = _Running(self._num_layers, self._device, self.max_batch_size)
+        self._batch = self._new_batch()
         for req in set(b.reqs):
             _set_exception(req.future, exc)
 
@@ -872,6 +1079,7 @@ class TorchEngine:
 
     def _take_pending(self) -> list[_Request]:
         taken: list[_Request] = []
+        refused: list[tuple[_Request, KVBudgetError]] = []
         rows, longest = self._batch.n, 0
         with self._mu:
             while self._pending:
@@ -885,11 +1093,73 @@ class TorchEngine:
                 fits_tokens = longest_if * (len(taken) + 1) <= self.max_prefill_tokens or not taken
                 if not (fits_rows and fits_tokens):
                     break
+                if self._kv.budget is not None and not self._kv_fits([*taken, req]):
+                    if taken or self._batch.n:
+                        break  # wait for rows to finish and give their columns back
+                    self._batch.release_cache()  # the idle slabs may be the wrong shape
+                    gc.collect()  # an uncollected cycle may still hold KV tensors
+                    if not self._kv_fits([req]):
+                        self._pending.popleft()
+                        refused.append((req, self._kv_refusal(req)))
+                        continue
                 self._pending.popleft()
                 taken.append(req)
                 rows += n
                 longest = longest_if
+        for req, exc in refused:
+            _set_exception(req.future, exc)
         return taken
+
+    def _max_new(self, req: _Request) -> int:
+        return min(req.params.max_new_tokens, self.max_seq_len - len(req.prompt))
+
+    def _kv_fits(self, reqs: list[_Request]) -> bool:
+        """Whether admitting `reqs` now keeps the KV bytes alive within the budget: their prefill
+        cache on top of what is alive, then the running slabs (grown if need be) with every sample
+        of every request joined."""
+        b, kv = self._batch, self._kv
+        width = max(len(r.prompt) for r in reqs)
+        prefill = len(reqs) * width * kv.cell
+        if kv.meter.live + prefill > kv.budget:
+            return False
+        new_len = max(b.geo.length if b.n else 0, width)
+        headroom = max(b.remaining(), max(self._max_new(r) - 1 for r in reqs))
+        rows = b.n + sum(r.params.n for r in reqs)
+        return b.plan(rows, new_len + headroom, extra=prefill) is not None
+
+    def _kv_refusal(self, req: _Request) -> KVBudgetError:
+        return self._kv_error(len(req.prompt), req.params.n, self._max_new(req))
+
+    def _kv_error(self, prompt_len: int, n: int, max_new: int) -> KVBudgetError:
+        kv = self._kv
+        cols = prompt_len + max_new - 1
+        need = self.kv_request_bytes(prompt_len, n, max_new)
+        return KVBudgetError(
+            f"a request with a {prompt_len}-token prompt, n={n} and up to {max_new} new tokens "
+            f"needs {need / GB:.3g} GiB of KV cache ({n} rows x {cols} columns x {kv.cell} bytes, "
+            f"with its prefill and scratch), more than the engine's KV budget of "
+            f"{kv.budget / GB:.3g} GiB; raise engine.kv_budget_gb (or engine.kv_budget_fraction), "
+            "or lower n / max_new_tokens"
+        )
+
+    def kv_request_bytes(self, prompt_len: int, n: int, max_new_tokens: int) -> int:
+        """KV bytes one request needs at its peak on an otherwise empty engine: its prompt's prefill
+        row, then ``n`` rows of ``prompt_len + max_new - 1`` columns, plus one slab of scratch."""
+        kv = self._kv
+        max_new = min(max_new_tokens, self.max_seq_len - prompt_len)
+        slabs = n * (prompt_len + max_new - 1) * kv.cell
+        return prompt_len * kv.cell + slabs + slabs // kv.tensors
+
+    def check_fits(self, prompt_len: int, n: int, max_new_tokens: int) -> None:
+        """Raise `KVBudgetError` when a request of this size could never be admitted (at start-up,
+        so that a run whose every request would fail is refused before it begins)."""
+        kv = self._kv
+        prompt_len = min(prompt_len, self.max_seq_len - 1)
+        if (
+            kv.budget is not None
+            and self.kv_request_bytes(prompt_len, n, max_new_tokens) > kv.budget
+        ):
+            raise self._kv_error(prompt_len, n, min(max_new_tokens, self.max_seq_len - prompt_len))
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _SlabCache

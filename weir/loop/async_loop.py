@@ -15,6 +15,7 @@ import torch
 from weir.buffer import BufferClosed, StalenessBuffer
 from weir.config import Config
 from weir.loop.components import Components, build
+from weir.loop.engine_memory import engine_asleep
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
 from weir.loop.sync import RunResult, check_failures, eval_metrics, finish, push_weights
@@ -83,7 +84,8 @@ def run_async(
                 continue
             if colocated:
                 parts.engine.pause_sync()
-            stats = parts.trainer.train(batch)
+            with engine_asleep(cfg, parts.engine, parts.model, when=colocated):
+                stats = parts.trainer.train(batch)
             sync = swap_weights(parts, run.bump_version(), abort=policy == "abort")
             if colocated:
                 parts.engine.resume_sync()

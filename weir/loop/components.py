@@ -20,8 +20,10 @@ from weir.config.devices import resolve_device, resolve_dtype
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.engine.base import SamplingParams
+from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
+from weir.loop.engine_memory import check_kv_budget
 from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
 from weir.rollout.combine import check_reward
@@ -180,14 +182,17 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
     p = next(model.parameters())
     if concurrent or not cfg.engine.share_weights or (p.device, p.dtype) != (device, dtype):
         model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
-    return TorchEngine(
+    engine = TorchEngine(
         model,
         eos_token_ids=eos_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
         num_threads=cfg.loop.engine_threads if concurrent else None,
+        **kv_options(cfg.engine),
     )
+    check_kv_budget(cfg, engine)
+    return engine
 
 
 def make_contexts(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from weir.config import Config
 from weir.loop.components import Components, build
+from weir.loop.engine_memory import engine_asleep
 from weir.loop.resume import say
 from weir.loop.run import Run, RunError
 from weir.rollout.collect import collect_groups, failure_summary
@@ -54,7 +55,8 @@ def run_sync(
             if batch is None:  # every group filtered out or failed: nothing to learn from
                 run.log(step, gen, {"train/empty_steps": 1.0})
                 continue
-            stats = parts.trainer.train(batch)
+            with engine_asleep(cfg, parts.engine, parts.model):
+                stats = parts.trainer.train(batch)
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}
             run.log(step, gen, batch.metrics, stats, sync, evals)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from weir.config import Config
+from weir.engine.kv_budget import kv_options
 
 
 def run_server(
@@ -45,6 +46,7 @@ def run_server(
         pad_token_id=tokenizer.pad_token_id,
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
+        **kv_options(cfg.engine),
     )
     name = cfg.serve.model_name or Path(cfg.model.path.rstrip("/")).name
     stop = stop or threading.Event()

@@ -1,0 +1,43 @@
+"""The engine's memory as the loop sees it: asleep while the trainer trains (one device, time-sliced),
+and a KV budget checked against the run's largest request before the run starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from weir.config import Config
+from weir.engine import TorchEngine
+
+
+@contextmanager
+def engine_asleep(
+    cfg: Config, engine: object, trainer_model: object, when: bool = True
+) -> Iterator[None]:
+    """Within the block the built-in engine holds no KV cache (and, with
+    engine.sleep_offload_weights, no weights when they are its own copy, not `trainer_model`); it
+    wakes on exit, also on error. Other engines (Ray replicas behind a router) are left as they are."""
+    if not (when and cfg.engine.sleep_while_training and isinstance(engine, TorchEngine)):
+        yield
+        return
+    own_copy = engine.model is not trainer_model
+    engine.sleep_sync(offload_weights=cfg.engine.sleep_offload_weights and own_copy)
+    try:
+        yield
+    finally:
+        engine.wake_sync()
+
+
+def check_kv_budget(cfg: Config, engine: TorchEngine) -> None:
+    """Refuse at start-up a KV budget too small for the run's largest request (a prompt of
+    data.max_prompt_tokens with rollout or eval n and max_new_tokens); the engine is closed first."""
+    r, e = cfg.rollout, cfg.eval
+    try:
+        engine.check_fits(
+            cfg.data.max_prompt_tokens,
+            max(r.n, e.n),
+            max(r.max_new_tokens, e.max_new_tokens or r.max_new_tokens),
+        )
+    except ValueError:
+        engine.close()
+        raise
