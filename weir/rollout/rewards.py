@@ -6,7 +6,8 @@ sync or async. A dict result must hold ``"reward"`` and may carry components and
 default); every built-in takes `answer_key` as a keyword, so ``functools.partial`` or
 ``get_reward("math", answer_key="solution")`` retargets it.
 
-Built-ins (`REWARDS`): ``exact_match``, ``numeric``, ``math`` (math-verify), ``format``.
+Built-ins (`REWARDS`): ``exact_match``, ``numeric``, ``math`` (math-verify), ``format``, and
+``code_tests`` / ``code_io`` (programs run in the sandbox, `weir.rollout.code_rewards`).
 `length_penalty` wraps any reward with DAPO's overlong penalty. `score` calls a reward function
 and contains its failures, so one bad sample never takes a rollout down.
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 from weir.data.sample import Sample, Status
 from weir.plugins import resolve
+from weir.rollout.code_rewards import code_io, code_tests
 
 __all__ = [
     "REWARDS",
@@ -367,6 +369,8 @@ REWARDS: dict[str, RewardFn] = {
     "numeric": numeric,
     "math": math,
     "format": format,
+    "code_tests": code_tests,
+    "code_io": code_io,
 }
 
 
