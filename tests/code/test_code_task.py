@@ -115,3 +115,19 @@ def test_humaneval_is_eval_only_and_names_the_fix():
         get_task("humaneval").make_rows("train", 10, 0)
     with pytest.raises(ValueError, match="evaluation set"):
         get_task("humaneval").sft_rows(10, 0)
+
+
+@pytest.mark.slow
+def test_weir_eval_humaneval_reports_pass_at_k_for_a_local_model(tmp_path):
+    from weir.loop.evaluation import eval_config, run_eval
+    from weir.tasks.tiny_model import build_tiny_model
+
+    _humaneval_rows()
+    model = build_tiny_model(tmp_path / "m", size="nano", max_position_embeddings=2600)
+    cfg = eval_config(str(model), task="humaneval", size=3, n=2, temperature=1.0, max_new_tokens=4)
+    assert cfg.data.max_prompt_tokens == 2048 and cfg.reward.function is None
+    cfg.run.dir = str(tmp_path / "run")
+    metrics = run_eval(cfg)
+    # a random model writes no working code: every problem is scored, and none passes
+    assert metrics["eval/prompts"] == 3 and metrics["eval/failed"] == 0
+    assert metrics["eval/pass@1"] == 0.0 and metrics["eval/pass@2"] == 0.0

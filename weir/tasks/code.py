@@ -10,7 +10,8 @@ the problems are of that kind.
 only the problems that need them change), so the warm-started model writes buggy code for half the
 problems under greedy decoding but sometimes the right code when sampling: running the hidden tests
 (GRPO on their pass fraction) teaches it the parentheses. The tiny model's byte-level tokenizer
-writes any Python; a program is ~25 tokens. Train and test problems never overlap (split by hash).
+writes any Python; a program is ~23 tokens. Train and test problems never overlap (30% of the 729
+specs are test problems, by hash).
 Configs: examples/code.yaml (the demo), examples/code_quick.yaml (CI-sized).
 """
 
@@ -36,7 +37,8 @@ DESCRIPTION = (
     "write a one-line Python function from a spec ('add 3 then mul 2'), run against hidden tests"
 )
 OPS = {"add": "+", "sub": "-", "mul": "*"}
-CONSTANTS = range(1, 20)
+CONSTANTS = range(1, 10)
+TEST_FRACTION = 0.3  # of the 729 specs; the rule to learn (parentheses) carries over to them
 TEST_INPUTS = range(-5, 10)
 N_TESTS = 4
 
@@ -81,15 +83,17 @@ def hidden_tests(spec: str) -> list[str]:
     return [f"assert f({x}) == {_value(spec, x)}" for x in xs]
 
 
-def _pool(split: str) -> tuple[list[str], list[str]]:
-    """All two-step specs of `split`: (those needing parentheses, the others)."""
+def _pool(split: str, max_constant: int = 9) -> tuple[list[str], list[str]]:
+    """All two-step specs of `split` with constants 1..`max_constant`: (those needing parentheses,
+    the others)."""
     plain, paren = [], []
+    ks = [k for k in CONSTANTS if k <= max_constant]
     for a in OPS:
-        for ka in CONSTANTS:
+        for ka in ks:
             for b in OPS:
-                for kb in CONSTANTS:
+                for kb in ks:
                     spec = f"{a} {ka} then {b} {kb}"
-                    if split_of(spec) == split:
+                    if split_of(spec, TEST_FRACTION) == split:
                         (paren if needs_parens(spec) else plain).append(spec)
     return paren, plain
 
@@ -99,17 +103,20 @@ def _row(spec: str) -> dict[str, Any]:
 
 
 def make_rows(
-    split: str, n: int, seed: int, *, parens_fraction: float = 0.5
+    split: str, n: int, seed: int, *, parens_fraction: float = 0.5, max_constant: int = 9
 ) -> list[dict[str, Any]]:
-    """`n` problems; each needs parentheses with probability `parens_fraction`. Rows:
+    """`n` problems with constants 1..`max_constant` (fewer make a smaller task, learnt sooner); each
+    needs parentheses with probability `parens_fraction`. Rows:
     ``{"prompt", "answer" (the reference solution), "tests" (hidden asserts), "task": "code"}``.
     Distinct within a split while its problems last; the same for the same arguments."""
     if split not in ("train", "test"):
         raise ValueError(f"code: split must be 'train' or 'test', got {split!r}")
     if not 0.0 <= parens_fraction <= 1.0:
         raise ValueError(f"code: parens_fraction must be in [0, 1], got {parens_fraction}")
+    if not 1 <= max_constant <= 9:
+        raise ValueError(f"code: max_constant must be in 1..9, got {max_constant}")
     rng = random.Random(f"code:{split}:{seed}")
-    pools = [list(p) for p in _pool(split)]
+    pools = [list(p) for p in _pool(split, max_constant)]
     for p in pools:
         rng.shuffle(p)
     used = [0, 0]
@@ -123,14 +130,14 @@ def make_rows(
 
 
 def sft_rows(
-    n: int, seed: int, *, corrupt: float = 0.0, parens_fraction: float = 0.5
+    n: int, seed: int, *, corrupt: float = 0.0, parens_fraction: float = 0.5, max_constant: int = 9
 ) -> list[dict[str, Any]]:
     """`n` train rows with ``"response"`` = the solution, or for ``round(corrupt * n)`` rows (seeded
     choice, not by content) the buggy solution without parentheses; those rows carry
     ``"corrupted": True``."""
     if not 0.0 <= corrupt <= 1.0:
         raise ValueError(f"code: corrupt must be in [0, 1], got {corrupt}")
-    rows = make_rows("train", n, seed, parens_fraction=parens_fraction)
+    rows = make_rows("train", n, seed, parens_fraction=parens_fraction, max_constant=max_constant)
     bad = set(random.Random(f"code-corrupt:{seed}").sample(range(n), round(corrupt * n)))
     for i, row in enumerate(rows):
         row["corrupted"] = i in bad
