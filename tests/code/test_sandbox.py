@@ -12,11 +12,12 @@ import time
 import pytest
 
 from weir.sandbox import LEVELS, Limits, Sandbox, detect
-from weir.sandbox.isolation import SLOT_UID_BASE
+from weir.sandbox.isolation import SLOT_UID_BASE, SLOT_UIDS
 from weir.sandbox.process import processes_of_uid
 
 FAST = Limits(wall_s=4, cpu_s=1, memory_mb=256, processes=8, output_bytes=65536)
 BEST = detect("auto")
+SANDBOX_UIDS = range(SLOT_UID_BASE, SLOT_UID_BASE + SLOT_UIDS)
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_hostile_programs_are_stopped_or_denied_and_the_host_is_unharmed(level, 
         # the run goes on: the same sandbox still runs programs
         assert sb.run("print('alive')").stdout == "alive\n"
         if BEST.per_slot_uid:
-            assert not any(processes_of_uid(SLOT_UID_BASE + i) for i in range(sb.max_parallel))
+            assert processes_of_uid(SANDBOX_UIDS) == []
     finally:
         server.close()
         for p in (secret, outside):
@@ -184,9 +185,22 @@ def test_200_parallel_executions_respect_the_cap_and_leak_nothing(work_root):
     assert stats["executions"] == 200 and stats["ok"] == 200
     assert _work_dirs(work_root) == []
     if BEST.per_slot_uid:
-        assert not any(processes_of_uid(SLOT_UID_BASE + i) for i in range(cap))
+        assert processes_of_uid(SANDBOX_UIDS) == []
     print(f"200 executions in {elapsed:.1f} s ({200 / elapsed:.1f}/s) at {BEST.level}")
     sb.close()
+
+
+@pytest.mark.skipif(not BEST.per_slot_uid, reason="uids per execution need root")
+def test_two_sandboxes_never_share_a_uid_so_one_cannot_kill_the_others_programs():
+    a, b = Sandbox(Limits(wall_s=10), max_parallel=4), Sandbox(Limits(wall_s=10), max_parallel=4)
+    program = "import os, time\ntime.sleep(0.5)\nprint(os.getuid())"
+
+    async def main():
+        return await asyncio.gather(*(s.arun(program) for s in (a, b) for _ in range(8)))
+
+    results = asyncio.run(main())
+    assert all(r.status == "ok" for r in results), {(r.status, r.reason) for r in results}
+    assert all(int(r.stdout) in SANDBOX_UIDS for r in results)
 
 
 def test_a_level_that_cannot_run_is_refused_with_the_fix():

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("bwrap", "namespaces", "rlimit")
 INNER_WORKDIR = "/sandbox"  # where bwrap mounts the work directory
-SLOT_UID_BASE = 61000  # slot i runs as uid/gid SLOT_UID_BASE + i when weir is root
+SLOT_UID_BASE = 61000  # executions run as uids SLOT_UID_BASE .. + SLOT_UIDS - 1 when weir is root
+SLOT_UIDS = 1000
 # processes a level's wrapper itself holds under the slot's uid (added to Limits.processes), with
 # room for a wrapper's zombie that the host's init has not reaped yet
 WRAPPER_PROCESSES = {"bwrap": 5, "namespaces": 3, "rlimit": 1}

@@ -9,19 +9,28 @@ killed, and under a per-slot uid every process left under that uid is killed too
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import random
 import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from weir.sandbox.isolation import WRAPPER_PROCESSES, Isolation, wrap_command
+from weir.sandbox.isolation import (
+    SLOT_UID_BASE,
+    SLOT_UIDS,
+    WRAPPER_PROCESSES,
+    Isolation,
+    wrap_command,
+)
 from weir.sandbox.limits import Limits
 
-__all__ = ["RawResult", "run_process", "kill_uid", "processes_of_uid"]
+__all__ = ["RawResult", "run_process", "kill_uid", "processes_of_uid", "lease_uid"]
 
 _MB = 1 << 20
 _READ = 1 << 16
@@ -69,15 +78,16 @@ def _limit_prefix(limits: Limits, processes: int) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", code]
 
 
-def processes_of_uid(uid: int) -> list[int]:
-    """Pids of the live (not zombie) processes whose real uid is `uid` (from /proc)."""
+def processes_of_uid(uid: int | range) -> list[int]:
+    """Pids of the live (not zombie) processes of `uid` (or of any uid in a range), from /proc."""
+    uids = range(uid, uid + 1) if isinstance(uid, int) else uid
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             st = os.stat(f"/proc/{entry}")
-            if st.st_uid != uid:  # /proc/<pid> is owned by the process's effective uid
+            if st.st_uid not in uids:  # /proc/<pid> is owned by the process's effective uid
                 continue
             with open(f"/proc/{entry}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
@@ -104,6 +114,33 @@ def kill_uid(uid: int, timeout_s: float = 5.0) -> int:
                 pass
         time.sleep(0.01)
     return killed
+
+
+_LOCK_DIR = "/run/lock/weir-sandbox" if os.path.isdir("/run/lock") else "/tmp/weir-sandbox-locks"
+
+
+@contextlib.contextmanager
+def lease_uid() -> Iterator[int]:
+    """A uid no other execution uses right now, in any process on the machine: an exclusive
+    ``flock`` on its lock file (root-only directory) held for the execution, released even if weir
+    dies. Before it is handed out, anything still running under it is killed."""
+    os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
+    start = random.randrange(SLOT_UIDS)
+    for i in range(SLOT_UIDS):
+        uid = SLOT_UID_BASE + (start + i) % SLOT_UIDS
+        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            kill_uid(uid)
+            yield uid
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    raise RuntimeError(f"all {SLOT_UIDS} sandbox uids are in use")
 
 
 def _user_process_count() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -25,10 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from weir.sandbox.isolation import SLOT_UID_BASE, Isolation, detect
+from weir.sandbox.isolation import Isolation, detect
 from weir.sandbox.languages import DENIED_MARK, STARTED_MARK, get_language
 from weir.sandbox.limits import ExecResult, Limits, TestOutcome
-from weir.sandbox.process import RawResult, run_process
+from weir.sandbox.process import RawResult, lease_uid, run_process
 from weir.telemetry import timeline
 
 __all__ = ["Sandbox", "classify"]
@@ -177,15 +178,26 @@ class Sandbox:
         t_wait = time.monotonic()
         slot = self._slots.get()
         waited = time.monotonic() - t_wait
-        uid = SLOT_UID_BASE + slot if iso.per_slot_uid else None
-        workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
         try:
-            with timeline.span("sandbox.exec", cat="sandbox", slot=slot, level=iso.level):
-                result = self._run_in(
-                    lang, iso, Path(workdir), uid, program, stdin, args, tests, limits
-                )
+            with contextlib.ExitStack() as stack:
+                uid = stack.enter_context(lease_uid()) if iso.per_slot_uid else None
+                workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
+                stack.callback(_rmtree, workdir)
+                with timeline.span("sandbox.exec", cat="sandbox", slot=slot, level=iso.level):
+                    result = self._run_in(
+                        lang, iso, Path(workdir), uid, program, stdin, args, tests, limits
+                    )
+        except (OSError, RuntimeError) as e:  # the sandbox's own failure, not the program's
+            result = ExecResult(
+                "sandbox_error",
+                None,
+                "",
+                "",
+                0.0,
+                reason=f"{type(e).__name__}: {e}",
+                level=iso.level,
+            )
         finally:
-            _rmtree(workdir)
             self._slots.put(slot)
         result.queue_s = waited
         with self._lock:
