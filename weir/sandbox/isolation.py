@@ -13,8 +13,8 @@ From strongest to weakest (docs/code.md says what each does and does not protect
   audit hook, which stops accidents and naive programs, not a determined attacker).
 
 Every level applies the resource limits (`Limits`, via ``prlimit``), a minimal environment, a new
-session, and, when weir runs as root, a uid of its own per concurrent slot (so the process cap is
-exact and a slot's leftover processes can be found and killed).
+session, and, when weir runs as root, a uid of its own per execution, leased machine-wide (so the
+process cap is exact and its leftover processes can be found and killed).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ WRAPPER_PROCESSES = {"bwrap": 5, "namespaces": 3, "rlimit": 1}
 class Isolation:
     """The level in force and how it is applied.
 
-    `per_slot_uid`: each concurrent slot runs under its own uid (weir is root); `python`: the
+    `per_slot_uid`: each execution runs under a uid of its own (weir is root); `python`: the
     interpreter sandboxed Python programs run with; `prefix`: its installation prefix (bound
     read-only by bwrap); `unshare_user`: the namespaces level needs a user namespace (not root).
     """
@@ -58,7 +58,7 @@ class Isolation:
     unshare_user: bool = False
 
     def describe(self) -> str:
-        uid = "one uid per slot" if self.per_slot_uid else "the caller's uid"
+        uid = "a uid per execution" if self.per_slot_uid else "the caller's uid"
         return f"sandbox isolation: {self.level} ({uid}; python {self.python})"
 
 

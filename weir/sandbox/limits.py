@@ -31,7 +31,7 @@ class Limits:
 
     wall_s: real time from start to kill; cpu_s: CPU seconds (RLIMIT_CPU, SIGXCPU then SIGKILL a second
     later); memory_mb: address space per process (RLIMIT_AS); processes: processes and threads of the
-    execution (RLIMIT_NPROC; exact only where each slot runs under its own uid, see docs/code.md);
+    execution (RLIMIT_NPROC; exact only where each execution runs under its own uid, see docs/code.md);
     open_files: RLIMIT_NOFILE; output_bytes: stdout and stderr each, the program is killed past it;
     file_bytes: largest file it may write (RLIMIT_FSIZE).
     """

@@ -3,7 +3,7 @@
 The caller owns the work directory; this module starts the process tree, feeds stdin, reads stdout
 and stderr up to the cap, kills the whole tree at the wall-clock limit, reaps it with ``wait4``
 (CPU time and peak memory of the tree) and leaves no process behind: the session's process group is
-killed, and under a per-slot uid every process left under that uid is killed too.
+killed, and under a uid of its own every process left under that uid is killed too.
 """
 
 from __future__ import annotations
