@@ -33,4 +33,12 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "setup: could not install chromium; the browser test will be skipped" >&2
 fi
+# The code sandbox's strongest level runs programs under bubblewrap (Debian's package); without it the
+# sandbox falls back to namespaces or resource limits (docs/code.md). Never fail the set-up over it.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && [ -z "${WEIR_NO_BWRAP:-}" ]; then
+  echo "setup: installing bubblewrap (code sandbox; WEIR_NO_BWRAP=1 skips)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
+    || echo "setup: could not install bubblewrap; the code sandbox will use a weaker level" >&2
+fi
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

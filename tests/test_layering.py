@@ -18,6 +18,19 @@ RULES = {
     "weir.train.actor": {"engine", "rollout", "loop", "serve", "cluster", "sync"},
     "weir.sync.coordinator": {"loop", "rollout", "serve"},
     "weir.telemetry.report": {"engine", "train", "rollout", "loop", "serve", "cluster", "sync"},
+    "weir.sandbox weir.sandbox.tool": {
+        "config",
+        "data",
+        "engine",
+        "train",
+        "rollout",
+        "loop",
+        "serve",
+        "cluster",
+        "sync",
+        "buffer",
+        "tasks",
+    },
 }
 
 

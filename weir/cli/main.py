@@ -139,7 +139,8 @@ def eval_(
         ),
     ],
     task: Annotated[
-        str | None, typer.Option(help="Built-in task: arithmetic, countdown, gsm8k.")
+        str | None,
+        typer.Option(help="Built-in task: arithmetic, countdown, gsm8k, code, humaneval."),
     ] = None,
     data: Annotated[
         Path | None, typer.Option(help="JSONL/Parquet of held-out rows (instead of --task).")
@@ -214,7 +215,10 @@ def report(
 @_user_errors
 def demo(
     task: Annotated[
-        str, typer.Option(help="Demo task: arithmetic, or calculator (a tool-using agent).")
+        str,
+        typer.Option(
+            help="Demo task: arithmetic, calculator (a tool-using agent) or code (sandboxed tests)."
+        ),
     ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),
     overrides: Overrides = None,

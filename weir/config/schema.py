@@ -388,6 +388,39 @@ class AgentConfig(Section):
     """gamma in env_return = sum_t gamma^t r_t over the environment's per-step rewards."""
 
 
+class SandboxConfig(Section):
+    """Where programs from responses run (code rewards, the `python` tool); see docs/code.md."""
+
+    level: Literal["auto", "bwrap", "namespaces", "rlimit"] = "auto"
+    """Isolation: `bwrap` (bubblewrap: own file system, no network, own PIDs), `namespaces` (unshare:
+    no network, own PIDs, host files visible), `rlimit` (limits only); `auto` takes the strongest that
+    works here (logged). A named level that cannot run stops the run at start."""
+    max_parallel: int = Field(4, ge=1)
+    """Executions at once; more wait for a slot (`reward/exec_queue_seconds`)."""
+    wall_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one execution (its harness and all its tests)."""
+    cpu_s: float = Field(5.0, gt=0)
+    """CPU-time limit per process (RLIMIT_CPU)."""
+    memory_mb: int = Field(512, ge=16)
+    """Address-space limit per process (RLIMIT_AS), MiB."""
+    processes: int = Field(16, ge=1)
+    """Processes and threads an execution may have (RLIMIT_NPROC; exact when weir runs as root)."""
+    open_files: int = Field(64, ge=8)
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    output_bytes: int = Field(1 << 20, ge=1024)
+    """stdout and stderr are each cut here and the program killed."""
+    file_bytes: int = Field(8 << 20, ge=0)
+    """Largest file a program may write (RLIMIT_FSIZE)."""
+    python: str | None = None
+    """Interpreter for Python programs; default: weir's own, or the system's where the sandbox uids
+    cannot reach weir's."""
+    python_guard: bool = True
+    """Install the in-process audit hook that denies files outside the work directory, sockets,
+    processes, signals and ctypes (defence in depth; the only guard at level `rlimit`)."""
+    tmp_dir: str | None = None
+    """Parent directory of the per-execution work directories (default: the system temp dir)."""
+
+
 class ClusterTrainerConfig(Section):
     ranks: int = Field(1, ge=1)
     """Trainer ranks (one FSDP2 process group; gloo on CPU, NCCL on GPU); > 1 needs cluster.type=ray."""
@@ -453,6 +486,7 @@ class Config(Section):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")

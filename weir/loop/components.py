@@ -30,6 +30,7 @@ from weir.rollout.combine import check_reward
 from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
 from weir.rollout.single_turn import RolloutContext
+from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
 from weir.train.actor import Actor
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
@@ -200,6 +201,7 @@ def make_contexts(
 ) -> tuple[RolloutContext, RolloutContext]:
     """Rollout contexts for training (rollout.* sampling) and evaluation (eval.* sampling)."""
     r, e = cfg.rollout, cfg.eval
+    configure_sandbox(cfg.sandbox)  # code rewards and the python tool run programs there
     train_ctx = RolloutContext(
         engine=engine,
         tokenizer=tokenizer,

@@ -11,6 +11,9 @@ from weir.rollout.evaluate import evaluate
 
 # what `weir eval MODEL` uses for a bare model directory or hub name, unless a flag says otherwise
 DEFAULTS = {"n": 1, "temperature": 0.0, "size": 500, "max_new_tokens": 64, "seed": 0}
+# tasks whose prompts and answers are longer: their defaults (flags still win), and config overrides
+TASK_DEFAULTS = {"humaneval": {"max_new_tokens": 512}}
+TASK_OVERRIDES = {"humaneval": ["data.max_prompt_tokens=2048"]}
 
 
 def run_eval(cfg: Config) -> dict[str, float]:
@@ -79,7 +82,8 @@ def eval_config(
     run_config, model_path = locate(model)
     run = run_config is not None
     if not run:
-        flags = {k: DEFAULTS[k] if v is None else v for k, v in flags.items()}
+        defaults = {**DEFAULTS, **TASK_DEFAULTS.get(task or "", {})}
+        flags = {k: defaults[k] if v is None else v for k, v in flags.items()}
     keys = {
         "n": "eval.n",
         "temperature": "eval.temperature",
@@ -91,6 +95,8 @@ def eval_config(
     overrides += [f"model.path={model_path}", "run.steps=0"]
     if task:
         overrides.append(f"data.task={task}")
+        if not run:
+            overrides += TASK_OVERRIDES.get(task, [])
     if data:
         overrides += [f"data.eval_source={data}", f"data.source={data}"]
     if reward:  # the run's reward options belong to the run's reward, not to this one

@@ -7,6 +7,7 @@ default); every built-in takes `answer_key` as a keyword, so ``functools.partial
 ``get_reward("math", answer_key="solution")`` retargets it.
 
 Built-ins (`REWARDS`): ``exact_match``, ``numeric``, ``math`` (math-verify), ``format``;
+``code_tests`` / ``code_io`` (programs run in the sandbox, `weir.rollout.code_rewards`);
 ``reward_model`` (weir.rollout.reward_models), ``judge`` (weir.rollout.judge) and ``combine``
 (weir.rollout.combine).
 `length_penalty` wraps any reward with DAPO's overlong penalty. `score` calls a reward function
@@ -30,6 +31,7 @@ from typing import Any
 
 from weir.data.sample import Sample, Status
 from weir.plugins import resolve
+from weir.rollout.code_rewards import code_io, code_tests
 from weir.rollout.combine import combine
 from weir.rollout.judge import judge
 from weir.rollout.reward_models import reward_model
@@ -380,6 +382,8 @@ REWARDS: dict[str, RewardFn] = {
     "numeric": numeric,
     "math": math,
     "format": format,
+    "code_tests": code_tests,
+    "code_io": code_io,
     "reward_model": reward_model,
     "judge": judge,
     "combine": combine,

@@ -1,0 +1,174 @@
+"""Isolation levels: which OS mechanisms wrap a sandboxed program, detected at run time.
+
+From strongest to weakest (docs/code.md says what each does and does not protect against):
+
+- ``bwrap``: bubblewrap puts the program in new user, PID, network, IPC, UTS and cgroup namespaces
+  with a file system of its own: /usr (and the interpreter's prefix) read-only, an empty /tmp, a
+  private /proc and /dev, and the work directory; nothing else of the host exists for it.
+- ``namespaces``: util-linux ``unshare``: new network (no interfaces but loopback: no network), PID
+  (it cannot see or signal host processes; all its processes die with it), IPC, UTS and mount
+  namespaces with its own /proc; the host file system stays visible, guarded only by file
+  permissions (and, as root, the per-slot uid) and the Python guard.
+- ``rlimit``: resource limits and a fresh work directory only, plus the Python guard (an in-process
+  audit hook, which stops accidents and naive programs, not a determined attacker).
+
+Every level applies the resource limits (`Limits`, via ``prlimit``), a minimal environment, a new
+session, and, when weir runs as root, a uid of its own per execution, leased machine-wide (so the
+process cap is exact and its leftover processes can be found and killed).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LEVELS", "Isolation", "detect", "wrap_command", "INNER_WORKDIR"]
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("bwrap", "namespaces", "rlimit")
+INNER_WORKDIR = "/sandbox"  # where bwrap mounts the work directory
+SLOT_UID_BASE = 61000  # executions run as uids SLOT_UID_BASE .. + SLOT_UIDS - 1 when weir is root
+SLOT_UIDS = 1000
+# processes a level's wrapper itself holds under the slot's uid (added to Limits.processes), with
+# room for a wrapper's zombie that the host's init has not reaped yet
+WRAPPER_PROCESSES = {"bwrap": 5, "namespaces": 3, "rlimit": 1}
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """The level in force and how it is applied.
+
+    `per_slot_uid`: each execution runs under a uid of its own (weir is root); `python`: the
+    interpreter sandboxed Python programs run with; `prefix`: its installation prefix (bound
+    read-only by bwrap); `unshare_user`: the namespaces level needs a user namespace (not root).
+    """
+
+    level: str
+    per_slot_uid: bool
+    python: str
+    prefix: str
+    unshare_user: bool = False
+
+    def describe(self) -> str:
+        uid = "a uid per execution" if self.per_slot_uid else "the caller's uid"
+        return f"sandbox isolation: {self.level} ({uid}; python {self.python})"
+
+
+def _world_traversable(path: str) -> bool:
+    """Every directory above `path` is searchable by others and the file is executable by others,
+    so a program running under an unprivileged slot uid can run it."""
+    p = Path(path)
+    try:
+        if not p.stat().st_mode & 0o001:
+            return False
+        return all(d.stat().st_mode & 0o001 for d in p.parents)
+    except OSError:
+        return False
+
+
+def _pick_python(requested: str | None, root: bool) -> str:
+    if requested:
+        found = shutil.which(requested)
+        if not found:
+            raise ValueError(f"sandbox.python={requested!r}: no such interpreter; give a path")
+        return os.path.realpath(found)
+    candidates = [os.path.realpath(sys.executable)]
+    candidates += [p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)]
+    if root:  # slot uids must be able to run it
+        for c in candidates:
+            if _world_traversable(c):
+                return os.path.realpath(c)
+    return candidates[0]
+
+
+def _prefix(python: str) -> str:
+    return str(Path(python).resolve().parent.parent)
+
+
+def _probe(cmd: list[str], uid: int | None) -> bool:
+    kwargs = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    try:
+        r = subprocess.run(
+            cmd, capture_output=True, timeout=20, cwd=tempfile.gettempdir(), **kwargs
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+@functools.lru_cache(maxsize=8)
+def detect(requested: str = "auto", python: str | None = None) -> Isolation:
+    """The strongest level that works here (``auto``), or `requested`, checked by running it once.
+
+    Raises ValueError when a requested level cannot run on this machine (with what to install or
+    choose instead); ``auto`` never fails, it falls back to ``rlimit``.
+    """
+    if requested != "auto" and requested not in LEVELS:
+        raise ValueError(f"sandbox.level={requested!r}: choose auto or one of {list(LEVELS)}")
+    root = os.geteuid() == 0
+    interp = _pick_python(python, root)
+    per_slot_uid = root and _world_traversable(interp)
+    uid = SLOT_UID_BASE if per_slot_uid else None
+    prefix = _prefix(interp)
+    order = LEVELS if requested == "auto" else (requested,)
+    for level in order:
+        iso = Isolation(level, per_slot_uid, interp, prefix, unshare_user=not root or per_slot_uid)
+        if level == "rlimit" or _probe(
+            wrap_command(iso, [interp, "-I", "-S", "-c", "pass"], tempfile.gettempdir()), uid
+        ):
+            if requested == "auto":
+                log.info(iso.describe())
+            return iso
+        if requested != "auto":
+            hint = (
+                "install bubblewrap (apt-get install bubblewrap) and allow user namespaces"
+                if level == "bwrap"
+                else "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+            )
+            raise ValueError(
+                f"sandbox.level={level} does not work on this machine: {hint}, or set "
+                "sandbox.level=auto to use the strongest level available"
+            )
+    raise AssertionError("unreachable: rlimit always works")
+
+
+def _root_dirs() -> list[str]:
+    """bwrap arguments recreating /bin, /lib, /lib64, /sbin (symlinks into /usr on merged-/usr systems)."""
+    args: list[str] = []
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    return args
+
+
+def wrap_command(iso: Isolation, argv: list[str], workdir: str) -> list[str]:
+    """`argv` wrapped in the isolation level's launcher (limits are applied outside, by the caller)."""
+    if iso.level == "bwrap":
+        bwrap = shutil.which("bwrap") or "bwrap"
+        cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+        cmd += ["--ro-bind", "/usr", "/usr", *_root_dirs()]
+        if not iso.prefix.startswith("/usr"):
+            cmd += ["--ro-bind", iso.prefix, iso.prefix]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        cmd += ["--bind", workdir, INNER_WORKDIR, "--chdir", INNER_WORKDIR]
+        if os.geteuid() == 0 and not iso.per_slot_uid:
+            cmd += ["--cap-drop", "ALL"]
+        return [*cmd, "--", *argv]
+    if iso.level == "namespaces":
+        cmd = [shutil.which("unshare") or "unshare"]
+        if iso.unshare_user:
+            cmd += ["--user", "--map-current-user"]
+        cmd += ["--net", "--pid", "--fork", "--kill-child", "--ipc", "--uts", "--mount"]
+        cmd += ["--mount-proc"]
+        return [*cmd, "--", *argv]
+    return list(argv)

@@ -1,0 +1,310 @@
+"""`Sandbox`: run untrusted programs with tests, stdin and arguments, many at once under a cap.
+
+``Sandbox(limits, level="auto", max_parallel=4).run("print(input())", stdin="hi")`` returns an
+`ExecResult`. Each execution gets a fresh work directory (removed afterwards) and one of
+`max_parallel` slots; callers beyond the cap wait for a slot (the wait is timed). `arun` is the same
+off the event loop, in the sandbox's own thread pool. `stats()` gives running totals by status for
+metrics; every execution is a ``sandbox.exec`` span on the calling thread's timeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import queue
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from weir.sandbox.isolation import Isolation, detect
+from weir.sandbox.languages import DENIED_MARK, STARTED_MARK, get_language
+from weir.sandbox.limits import ExecResult, Limits, TestOutcome
+from weir.sandbox.process import RawResult, lease_uid, run_process
+from weir.telemetry import timeline
+
+__all__ = ["Sandbox", "classify"]
+
+log = logging.getLogger(__name__)
+
+_SIGNALS = {24: "cpu_time", 25: "file_size"}  # SIGXCPU, SIGXFSZ
+
+
+def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
+    """(status, reason) of a finished execution: the sandbox's own kill reasons first, then the
+    signal that ended it, then what the program's error output says (a denied operation, a memory
+    or process limit it ran into)."""
+    if raw.start_error:
+        return "sandbox_error", f"could not start the program: {raw.start_error}"
+    if raw.killed_for == "timeout":
+        return "timeout", f"wall time limit {limits.wall_s:g} s exceeded"
+    if raw.killed_for == "output_limit":
+        return "output_limit", f"output over {limits.output_bytes} bytes"
+    tail = raw.stderr[-4000:].decode("utf-8", "replace")
+    sig = raw.signal
+    if sig is None and raw.exit_code is not None and raw.exit_code > 128:
+        sig = raw.exit_code - 128 if raw.exit_code - 128 in (9, 24, 25) else None  # via a wrapper
+    if sig in _SIGNALS or (sig == 9 and raw.cpu_s >= limits.cpu_s):
+        kind = _SIGNALS.get(sig, "cpu_time")
+        what = f"CPU time limit {limits.cpu_s:g} s" if kind == "cpu_time" else "file size limit"
+        return kind, f"{what} exceeded"
+    if raw.exit_code == 0:
+        return "ok", ""
+    if DENIED_MARK in tail:
+        line = tail[tail.rindex(DENIED_MARK) :].splitlines()[0]
+        return "denied", line.replace("weir-sandbox ", "", 1)
+    last = next((ln for ln in reversed(tail.strip().splitlines()) if ln.strip()), "")
+    if "MemoryError" in tail or "Cannot allocate memory" in tail:
+        return "memory", f"memory limit {limits.memory_mb} MB exceeded ({last.strip()[:200]})"
+    if "Resource temporarily unavailable" in tail and ("fork" in tail or "thread" in tail):
+        return "processes", f"process limit {limits.processes} reached ({last.strip()[:200]})"
+    if any(
+        s in tail
+        for s in (
+            "Network is unreachable",
+            "Read-only file system",
+            "Permission denied",
+            "Operation not permitted",
+        )
+    ):
+        return "denied", last.strip()[:300]
+    if sig is not None:
+        return "killed", f"killed by signal {sig}"
+    return "error", last.strip()[:300] or f"exit status {raw.exit_code}"
+
+
+def _rmtree(path: str) -> None:
+    """Remove a work directory even where the program took permissions away from its own files."""
+
+    def fix(func: Any, p: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            os.chmod(p, stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
+
+
+class Sandbox:
+    """Runs programs under `limits` at an isolation level (``auto``: the strongest that works here).
+
+    `max_parallel` executions run at once; `python` is the interpreter for Python programs (default:
+    weir's own, or the system's where the slot uids cannot reach weir's); `python_guard` installs the
+    in-process audit hook (see `weir.sandbox.languages`); `tmp_dir` is where work directories go.
+    """
+
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        level: str = "auto",
+        max_parallel: int = 4,
+        python: str | None = None,
+        python_guard: bool = True,
+        tmp_dir: str | None = None,
+    ) -> None:
+        if max_parallel < 1:
+            raise ValueError(f"sandbox.max_parallel must be >= 1, got {max_parallel}")
+        self.limits = limits or Limits()
+        self.level_requested = level
+        self.max_parallel = max_parallel
+        self.python = python
+        self.python_guard = python_guard
+        self.tmp_dir = tmp_dir
+        self._iso: Isolation | None = None
+        self._slots: queue.Queue[int] = queue.Queue()
+        for i in range(max_parallel):
+            self._slots.put(i)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._stats: Counter[str] = Counter()
+        self._seconds: Counter[str] = Counter()
+
+    @classmethod
+    def from_config(cls, section: Any) -> Sandbox:
+        """A sandbox from the `sandbox` config section (or any object with its attribute names)."""
+        return cls(
+            Limits.from_section(section),
+            level=section.level,
+            max_parallel=section.max_parallel,
+            python=section.python,
+            python_guard=section.python_guard,
+            tmp_dir=section.tmp_dir,
+        )
+
+    @property
+    def isolation(self) -> Isolation:
+        """The isolation in force (detected on first use; a requested level that cannot run raises)."""
+        if self._iso is None:
+            iso = detect(self.level_requested, self.python)
+            root = self.tmp_dir or tempfile.gettempdir()
+            if iso.per_slot_uid and not all(
+                os.stat(d).st_mode & 0o001
+                for d in (Path(root).resolve(), *Path(root).resolve().parents)
+            ):
+                raise ValueError(
+                    f"sandbox.tmp_dir={root!r} is not searchable by other users, and the sandbox runs "
+                    "programs under uids of their own: chmod o+x it and its parents, or choose another"
+                )
+            self._iso = iso
+        return self._iso
+
+    def run(
+        self,
+        program: str,
+        *,
+        language: str = "python",
+        stdin: str | bytes = "",
+        args: Sequence[str] = (),
+        tests: Sequence[str] | None = None,
+        limits: Limits | None = None,
+    ) -> ExecResult:
+        """Run `program` (with `tests` as a harness if given) and return what it did; never raises
+        for anything the program does. Blocks while all slots are busy."""
+        lang = get_language(language)
+        iso = self.isolation
+        limits = limits or self.limits
+        t_wait = time.monotonic()
+        slot = self._slots.get()
+        waited = time.monotonic() - t_wait
+        try:
+            with contextlib.ExitStack() as stack:
+                uid = stack.enter_context(lease_uid()) if iso.per_slot_uid else None
+                workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
+                stack.callback(_rmtree, workdir)
+                with timeline.span("sandbox.exec", cat="sandbox", slot=slot, level=iso.level):
+                    result = self._run_in(
+                        lang, iso, Path(workdir), uid, program, stdin, args, tests, limits
+                    )
+        except (OSError, RuntimeError) as e:  # the sandbox's own failure, not the program's
+            result = ExecResult(
+                "sandbox_error",
+                None,
+                "",
+                "",
+                0.0,
+                reason=f"{type(e).__name__}: {e}",
+                level=iso.level,
+            )
+        finally:
+            self._slots.put(slot)
+        result.queue_s = waited
+        with self._lock:
+            self._stats["executions"] += 1
+            self._stats[result.status] += 1
+            self._seconds["wall"] += result.wall_s
+            self._seconds["cpu"] += result.cpu_s
+            self._seconds["queue_wait"] += waited
+        return result
+
+    def _run_in(
+        self,
+        lang: Any,
+        iso: Isolation,
+        workdir: Path,
+        uid: int | None,
+        program: str,
+        stdin: str | bytes,
+        args: Sequence[str],
+        tests: Sequence[str] | None,
+        limits: Limits,
+    ) -> ExecResult:
+        os.chmod(workdir, 0o700)
+        argv, results = lang.prepare(
+            workdir, program, tests=tests, args=args, guard=self.python_guard, iso=iso
+        )
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+            for f in workdir.iterdir():
+                os.chown(f, uid, uid)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "HOME": "/sandbox" if iso.level == "bwrap" else str(workdir),
+            "PYTHONHASHSEED": "0",
+        }
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        raw = run_process(
+            argv, iso=iso, limits=limits, workdir=str(workdir), stdin=data, uid=uid, env=env
+        )
+        status, reason = classify(raw, limits)
+        if status in ("error", "killed") and not (workdir / STARTED_MARK).exists():
+            first = raw.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
+            status = "sandbox_error"
+            reason = f"the program never started: {first[0] if first else f'exit {raw.exit_code}'}"
+        outcomes: list[TestOutcome] = []
+        if tests is not None:
+            outcomes = _read_results(workdir / results if results else None, len(tests))
+            if (
+                status == "error"
+                and outcomes
+                and not any(t.error is None and not t.passed for t in outcomes)
+            ):
+                failed = [t for t in outcomes if not t.passed and t.error]
+                if failed:
+                    reason = f"{len(failed)}/{len(tests)} tests failed; first: {failed[0].error}"
+        return ExecResult(
+            status=status,
+            exit_code=raw.exit_code,
+            stdout=raw.stdout.decode("utf-8", "replace"),
+            stderr=raw.stderr.decode("utf-8", "replace"),
+            wall_s=raw.wall_s,
+            cpu_s=raw.cpu_s,
+            max_rss_mb=raw.max_rss_mb,
+            reason=reason,
+            level=iso.level,
+            tests=outcomes,
+        )
+
+    async def arun(self, program: str, **kwargs: Any) -> ExecResult:
+        """`run` in the sandbox's own thread pool (`max_parallel` threads), off the event loop."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.max_parallel, thread_name_prefix="weir-sandbox"
+                )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: self.run(program, **kwargs))
+
+    def stats(self) -> dict[str, float]:
+        """Totals since creation: executions, executions per status, and wall / CPU / queue-wait seconds."""
+        with self._lock:
+            out = {k: float(v) for k, v in self._stats.items()}
+            out.update({f"{k}_s": v for k, v in self._seconds.items()})
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _read_results(path: Path | None, n: int) -> list[TestOutcome]:
+    """One outcome per test: the harness's verdicts, and "not reached" for tests it never finished."""
+    seen: dict[int, TestOutcome] = {}
+    program_error = None
+    if path is not None and path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(d, dict):
+                continue
+            if "program_error" in d:
+                program_error = str(d["program_error"])
+            elif isinstance(d.get("test"), int) and 0 <= d["test"] < n:
+                seen[d["test"]] = TestOutcome(d["test"], d.get("ok") is True, d.get("error"))
+    missing = f"not reached ({program_error})" if program_error else "not reached"
+    return [seen.get(i, TestOutcome(i, False, missing)) for i in range(n)]
