@@ -7,6 +7,7 @@ continue under them with each token stamped by the version that produced it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -17,7 +18,14 @@ from weir.config import Config
 from weir.loop.components import Components, build
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
-from weir.loop.sync import RunResult, check_failures, eval_metrics, finish, push_weights
+from weir.loop.sync import (
+    RunResult,
+    check_failures,
+    engine_idle,
+    eval_metrics,
+    finish,
+    push_weights,
+)
 from weir.rollout.collect import summarize
 from weir.telemetry.timeline import span
 from weir.train.batch import make_batch, mask_stale_prefix
@@ -83,7 +91,8 @@ def run_async(
                 continue
             if colocated:
                 parts.engine.pause_sync()
-            stats = parts.trainer.train(batch)
+            with engine_idle(parts.engine) if colocated else contextlib.nullcontext():
+                stats = parts.trainer.train(batch)
             sync = swap_weights(parts, run.bump_version(), abort=policy == "abort")
             if colocated:
                 parts.engine.resume_sync()

@@ -212,7 +212,19 @@ def build(
         trainer, engine = ray_parts.trainer, ray_parts.router
     else:
         trainer = Actor(model, cfg)
-        engine = make_engine(cfg, model, tokenizer)
+        if cfg.engine.type == "torch":
+            engine = make_engine(cfg, model, tokenizer)
+        else:  # vllm / sglang servers, in their own processes
+            from weir.engine.remote import start_engine_servers
+
+            engine = start_engine_servers(
+                cfg.engine,
+                run_model_path(cfg, run_dir),
+                run_dir / "engine",
+                eos_token_ids(model, tokenizer),
+                dtype=cfg.model.dtype,
+                seed=cfg.run.seed,
+            )
     try:
         return _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter

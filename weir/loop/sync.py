@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ def run_sync(
             if batch is None:  # every group filtered out or failed: nothing to learn from
                 run.log(step, gen, {"train/empty_steps": 1.0})
                 continue
-            stats = parts.trainer.train(batch)
+            with engine_idle(parts.engine):
+                stats = parts.trainer.train(batch)
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}
             run.log(step, gen, batch.metrics, stats, sync, evals)
@@ -85,6 +87,13 @@ def finish(run: Run, parts: Components, buffer: Callable | None = None) -> RunRe
         save_model(parts.trained_model(), parts.tokenizer, run.dir / "model") if save else None
     )
     return RunResult(run.dir, run.history, run.evals, model_dir)
+
+
+def engine_idle(engine) -> contextlib.AbstractContextManager:
+    """While the trainer trains: a server engine with engine.sleep_mode releases its memory
+    (vLLM sleep, SGLang release_memory_occupation) and wakes after; other engines do nothing."""
+    asleep = getattr(engine, "asleep", None)
+    return asleep() if asleep is not None else contextlib.nullcontext()
 
 
 def push_weights(parts: Components, version: int) -> dict[str, float]:
