@@ -11,12 +11,14 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from vllm_fixtures import trainer_logprobs, vllm_python
 
+import weir
 from weir.config.schema import EngineConfig
 from weir.engine import SamplingParams, TorchEngine
 from weir.engine.vllm_engine import start_vllm
@@ -207,3 +209,44 @@ def test_killed_server_restarts_with_current_weights_and_requests_continue(engin
         assert c.versions == [3] * len(c.token_ids)
         want = trainer_logprobs(new, p, c.token_ids, 0.0)
         assert torch.allclose(torch.tensor(c.logprobs), want, atol=LOGPROB_BOUND, rtol=0)
+
+
+# -- GRPO through weir's loops with the vLLM engine (attached to the module's server) ---------------
+
+QUICK = str(Path(__file__).parents[2] / "examples" / "arithmetic_quick.yaml")
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    return weir.sft(QUICK, [f"run.dir={tmp_path_factory.mktemp('sft')}"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_learns_with_vllm(mode, vllm, sft_model, tmp_path):
+    vllm.wait_healthy(300)
+    result = weir.run(
+        QUICK,
+        [
+            f"run.dir={tmp_path}",
+            f"model.path={sft_model}",
+            "run.steps=10",
+            f"loop.mode={mode}",
+            "engine.type=vllm",
+            f"engine.urls=[{vllm.replicas[0].url}]",
+            "data.eval_size=60",
+        ],
+    )
+    rewards = [h["reward/mean"] for h in result.history if "reward/mean" in h]
+    assert len(rewards) == 10
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert end > start + 0.05, rewards
+    before, after = result.evals[0]["eval/accuracy"], result.evals[-1]["eval/accuracy"]
+    assert after > before + 0.1, (before, after)
+    mismatch = [
+        h["mismatch/abs_logp_diff"] for h in result.history if "mismatch/abs_logp_diff" in h
+    ]
+    assert len(mismatch) == 10
+    if (
+        mode == "sync"
+    ):  # every token on-policy: what is left is vLLM's kernels against the trainer's
+        assert max(mismatch) < LOGPROB_BOUND, mismatch

@@ -225,6 +225,8 @@ def build(
                 dtype=cfg.model.dtype,
                 seed=cfg.run.seed,
             )
+            if cfg.engine.urls:  # attached servers may hold other weights: load the trainer's
+                engine.update_weights_sync(trainer.weights(), 0)
     try:
         return _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter
