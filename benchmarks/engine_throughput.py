@@ -86,7 +86,26 @@ def run_weir(engine, prompts, args, stops: list[int]) -> tuple[int, float]:
     t0 = time.perf_counter()
     results = engine.generate_many(prompts, params)
     dt = time.perf_counter() - t0
+    engine.last_results = results
     return sum(len(c.token_ids) for comps in results for c in comps), dt
+
+
+@torch.inference_mode()
+def logprob_mismatch(model, prompts, results, temperature: float) -> tuple[float, float]:
+    """Mean and max |engine log-prob - trainer log-prob| over every generated token, the trainer's
+    being log_softmax(logits / T) of one full forward of prompt + completion (weir's convention)."""
+    t = temperature if temperature > 0 else 1.0
+    diffs = []
+    for p, comps in zip(prompts, results, strict=True):
+        for c in comps:
+            if not c.token_ids:
+                continue
+            logits = model(torch.tensor([p + c.token_ids])).logits[0].float()
+            lp = torch.log_softmax(logits[len(p) - 1 : -1] / t, dim=-1)
+            ref = lp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            diffs.append((torch.tensor(c.logprobs) - ref).abs())
+    d = torch.cat(diffs)
+    return d.mean().item(), d.max().item()
 
 
 def main() -> None:
@@ -173,6 +192,10 @@ def main() -> None:
     if vllm:
         v_t, v_s, v_r = summary(vllm)
         print(f"{'vLLM server (HTTP)':<22}{v_t:>8.0f}{v_t / rows:>10.1f}{v_s:>10.3f}{v_r:>11.0f}")
+        mean, worst = logprob_mismatch(model, prompts, server.last_results, args.temperature)
+        print(f"vLLM |logprob - trainer's|: mean {mean:.2e}, max {worst:.2e}")
+        mean, worst = logprob_mismatch(model, prompts, engine.last_results, args.temperature)
+        print(f"TorchEngine |logprob - trainer's|: mean {mean:.2e}, max {worst:.2e}")
     print(f"speed-up (tokens/s): {w_r / hf_r:.2f}x")
 
 

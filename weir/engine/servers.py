@@ -219,8 +219,11 @@ class Replica:
         )
 
 
-def default_python(venv: str | Path = ".venv-vllm") -> str:
-    """``engine.python`` when unset: the engine venv next to the current directory, else this
-    interpreter."""
-    candidate = Path(venv) / "bin" / "python"
-    return str(candidate) if candidate.exists() else sys.executable
+def default_python(venv: str = ".venv-vllm") -> str:
+    """``engine.python`` when unset: `venv` in the current directory, else in weir's checkout (an
+    editable install, where `make setup-vllm` builds it), else this interpreter."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = root / venv / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return sys.executable
