@@ -17,10 +17,12 @@ from weir.engine.vllm_engine import start_vllm
 
 
 def test_vllm_not_installed_names_the_install_command(tmp_path):
-    cfg = EngineConfig(type="vllm", python=sys.executable)  # weir's own env has no vllm
+    cfg = EngineConfig(
+        type="vllm", python=sys.executable, max_model_len=64
+    )  # weir's own env has no vllm
     with pytest.raises(EngineNotInstalled, match="make setup-vllm"):
         start_vllm(cfg, str(tmp_path), tmp_path, eos_token_ids=[1], dtype="float32", seed=0)
-    cfg = EngineConfig(type="vllm", python=str(tmp_path / "no-such-python"))
+    cfg = EngineConfig(type="vllm", python=str(tmp_path / "no-such-python"), max_model_len=64)
     with pytest.raises(EngineNotInstalled, match="does not exist.*make setup-vllm"):
         start_vllm(cfg, str(tmp_path), tmp_path, eos_token_ids=[1], dtype="float32", seed=0)
 
@@ -83,3 +85,13 @@ def test_sample_seeds_are_distinct_per_sample_and_continuation(seed, i, j, a, b)
     assert s == sample_seed(seed, i, a)
     if (i, a) != (j, b):
         assert s != sample_seed(seed, j, b)
+
+
+def test_context_limit_defaults_to_the_models_and_is_capped_by_it(tmp_path):
+    from weir.engine.servers import model_max_len
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
+    assert model_max_len(tmp_path, None) == 512
+    assert model_max_len(tmp_path, 256) == 256
+    with pytest.raises(ValueError, match="engine.max_model_len <= 512"):
+        model_max_len(tmp_path, 2048)

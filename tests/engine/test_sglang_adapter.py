@@ -27,7 +27,7 @@ def standin():
 
 
 def make(tmp_path, *urls, **kw):
-    cfg = EngineConfig(type="sglang", urls=list(urls), **kw)
+    cfg = EngineConfig(type="sglang", urls=list(urls), max_model_len=4096, **kw)
     return start_sglang(
         cfg, str(tmp_path), tmp_path / "engine", eos_token_ids=[EOS], dtype="float32", seed=0
     )

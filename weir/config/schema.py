@@ -199,8 +199,8 @@ class EngineConfig(Section):
     """vllm/sglang: attach to servers already running at these base URLs instead of starting any."""
     replicas: int = Field(1, ge=1)
     """vllm/sglang: servers weir starts (requests go to the one with the fewest outstanding)."""
-    max_model_len: int = Field(2048, ge=16)
-    """vllm/sglang: context limit of the servers (prompt + response tokens)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
     kv_cache_gb: float = Field(1.0, gt=0)
     """vllm/sglang on CPU: KV-cache memory per server, GiB."""
     sleep_mode: bool = False

@@ -288,6 +288,7 @@ class ServerEngine:
         self._closed = True
         with contextlib.suppress(Exception):
             self._call(self._abort())
+            self._call(self._stop_recovery())
             self._call(self._client.aclose())
         for r in self.replicas:
             if r.process is not None:
@@ -551,6 +552,13 @@ class ServerEngine:
         self.healthy[i] = False
         if i not in self._recovering:
             self._recovering[i] = asyncio.create_task(self._recover(i))
+
+    async def _stop_recovery(self) -> None:
+        tasks = list(self._recovering.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _recover(self, i: int) -> None:
         replica = self.replicas[i]

@@ -227,3 +227,30 @@ def default_python(venv: str = ".venv-vllm") -> str:
         if candidate.exists():
             return str(candidate)
     return sys.executable
+
+
+def model_max_len(model_path: str | Path, requested: int | None) -> int:
+    """The servers' context limit: `requested`, else the model's ``max_position_embeddings``.
+
+    A limit above the model's is refused here (vLLM refuses it too, after a slow start)."""
+    import json
+
+    cfg_file = Path(model_path) / "config.json"
+    own = None
+    if cfg_file.exists():
+        cfg = json.loads(cfg_file.read_text())
+        own = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get(
+            "max_position_embeddings"
+        )
+    if requested is None:
+        if own is None:
+            raise ValueError(
+                f"engine.max_model_len: {model_path} names no max_position_embeddings; set it"
+            )
+        return int(own)
+    if own is not None and requested > own:
+        raise ValueError(
+            f"engine.max_model_len={requested} is above the model's max_position_embeddings "
+            f"({own}); set engine.max_model_len <= {own}"
+        )
+    return int(requested)

@@ -31,7 +31,14 @@ from typing import Any
 
 from weir.engine.base import SamplingParams
 from weir.engine.server_engine import ServerEngine, ServerError
-from weir.engine.servers import Replica, ServerProcess, check_installed, default_python, free_port
+from weir.engine.servers import (
+    Replica,
+    ServerProcess,
+    check_installed,
+    default_python,
+    free_port,
+    model_max_len,
+)
 
 INSTALL_HINT = (
     'pip install "sglang[all]" in a GPU environment of its own and set engine.python to its '
@@ -161,6 +168,7 @@ def start_sglang(
 ) -> ServerEngine:
     """Start (or attach to) the SGLang servers of `ecfg` (an `EngineConfig`)."""
     work = Path(work_dir)
+    max_len = model_max_len(model_path, ecfg.max_model_len)
     replicas: list[Replica] = [Replica(url.rstrip("/")) for url in ecfg.urls]
     if not replicas:
         python = ecfg.python or default_python(".venv-sglang")
@@ -173,7 +181,7 @@ def start_sglang(
                     model_path,
                     port,
                     dtype=dtype,
-                    max_model_len=ecfg.max_model_len,
+                    max_model_len=max_len,
                     seed=seed + i,
                     memory_saver=ecfg.sleep_mode,
                     extra_args=list(ecfg.extra_args),
@@ -196,7 +204,7 @@ def start_sglang(
         SglangBackend(),
         replicas,
         eos_token_ids=eos_token_ids,
-        max_model_len=ecfg.max_model_len,
+        max_model_len=max_len,
         seed=seed,
         weights_dir=work / "weights",
         request_timeout_s=ecfg.request_timeout_s,

@@ -37,6 +37,7 @@ from weir.engine.servers import (
     check_installed,
     default_python,
     free_port,
+    model_max_len,
 )
 
 INSTALL_HINT = (
@@ -192,6 +193,7 @@ def start_vllm(
     from concurrent.futures import ThreadPoolExecutor
 
     work = Path(work_dir)
+    max_len = model_max_len(model_path, ecfg.max_model_len)
     replicas: list[Replica] = [Replica(url.rstrip("/")) for url in ecfg.urls]
     if not replicas:
         python = ecfg.python or default_python()
@@ -204,7 +206,7 @@ def start_vllm(
                     model_path,
                     port,
                     dtype=dtype,
-                    max_model_len=ecfg.max_model_len,
+                    max_model_len=max_len,
                     seed=seed + i,
                     sleep_mode=ecfg.sleep_mode,
                     extra_args=list(ecfg.extra_args),
@@ -229,7 +231,7 @@ def start_vllm(
         VllmBackend(),
         replicas,
         eos_token_ids=eos_token_ids,
-        max_model_len=ecfg.max_model_len,
+        max_model_len=max_len,
         seed=seed,
         weights_dir=work / "weights",
         request_timeout_s=ecfg.request_timeout_s,
