@@ -1,5 +1,5 @@
-"""What a user sees when a server engine cannot start, and what the config refuses up front.
-No vLLM needed: these run everywhere."""
+"""Server engines without a server: what a user sees when one cannot start, what the config refuses
+up front, seeds, and the router's choice of replica. No vLLM needed: these run everywhere."""
 
 from __future__ import annotations
 
@@ -95,3 +95,17 @@ def test_context_limit_defaults_to_the_models_and_is_capped_by_it(tmp_path):
     assert model_max_len(tmp_path, 256) == 256
     with pytest.raises(ValueError, match="engine.max_model_len <= 512"):
         model_max_len(tmp_path, 2048)
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=1, max_size=8))
+def test_router_picks_the_least_loaded_healthy_replica(reps):
+    from weir.engine.router import least_loaded
+
+    outstanding, healthy = [o for o, _ in reps], [h for _, h in reps]
+    i = least_loaded(outstanding, healthy)
+    live = [k for k, h in enumerate(healthy) if h]
+    if not live:
+        assert i is None
+        return
+    assert healthy[i] and outstanding[i] == min(outstanding[k] for k in live)
+    assert i == min(k for k in live if outstanding[k] == outstanding[i])  # lowest index on a tie
