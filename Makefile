@@ -16,7 +16,7 @@ demo: setup
 	$(VENV)/bin/weir demo
 
 test: setup setup-vllm
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -rs --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
