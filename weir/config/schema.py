@@ -229,8 +229,8 @@ class TrainConfig(Section):
 
 
 class EngineConfig(Section):
-    type: Literal["torch"] = "torch"
-    """Inference engine. `torch` is built in; vllm and sglang are planned."""
+    type: Literal["torch", "vllm", "sglang"] = "torch"
+    """Inference engine: `torch` (built in), `vllm` or `sglang` (servers; see docs/engines.md)."""
     max_batch_size: int = Field(256, ge=1)
     """Rows decoded together by the built-in engine."""
     share_weights: bool = True
@@ -265,6 +265,25 @@ class EngineConfig(Section):
                 "set engine.kv_budget_gb or engine.kv_budget_fraction, not both (null the other)"
             )
         return self
+
+    python: str | None = None
+    """vllm/sglang: the Python that runs the servers (its own environment); default .venv-vllm."""
+    urls: list[str] = Field(default_factory=list)
+    """vllm/sglang: attach to servers already running at these base URLs instead of starting any."""
+    replicas: int = Field(1, ge=1)
+    """vllm/sglang: servers weir starts (requests go to the one with the fewest outstanding)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
+    kv_cache_gb: float = Field(1.0, gt=0)
+    """vllm/sglang on CPU: KV-cache memory per server, GiB."""
+    sleep_mode: bool = False
+    """vllm/sglang: free the servers' memory (sleep) while the trainer trains; wake for rollout."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """vllm/sglang: how long a server may take to answer its health check."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """vllm/sglang: a stream silent this long counts as a dead server (restarted, sample retried)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """vllm/sglang: extra command-line arguments of every server weir starts."""
 
 
 class ServeConfig(Section):
@@ -530,6 +549,8 @@ class Config(Section):
                 "run.deterministic needs loop.mode=sync (the async loop's batches depend on timing)"
             )
         cl = self.cluster
+        if self.engine.type != "torch":
+            self._check_server_engine()
         if cl.type == "local" and (cl.trainer.ranks > 1 or cl.engines.replicas > 1):
             raise ValueError(
                 "cluster.trainer.ranks / cluster.engines.replicas > 1 need cluster.type=ray "
@@ -563,6 +584,21 @@ class Config(Section):
         ):
             if getattr(section, key) == "auto":
                 setattr(section, key, old)
+
+    def _check_server_engine(self) -> None:
+        """vLLM / SGLang servers: what weir cannot run exactly with them is refused here."""
+        e, r = self.engine.type, self.rollout
+        if self.cluster.type == "ray":
+            raise ValueError(
+                f"engine.type={e} starts its own server processes: use cluster.type=local "
+                "(engine.replicas sets how many servers; engine.urls attaches to running ones)"
+            )
+        if r.top_p < 1.0 or r.top_k > 0:
+            raise ValueError(
+                f"engine.type={e} reports log-probs renormalised over the top-k/top-p tokens, not "
+                "weir's full-vocabulary log_softmax(logits / T): set rollout.top_p=1.0 and "
+                "rollout.top_k=0, or use engine.type=torch"
+            )
 
     @property
     def correction_needs_engine_logprobs(self) -> bool:

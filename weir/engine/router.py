@@ -31,6 +31,12 @@ class NoEngineAvailable(RuntimeError):
     """Every replica is down and none came back in time."""
 
 
+def least_loaded(outstanding: list[int], healthy: list[bool]) -> int | None:
+    """The healthy replica with the fewest requests outstanding (lowest index on a tie), or None."""
+    live = [i for i, ok in enumerate(healthy) if ok]
+    return min(live, key=lambda k: (outstanding[k], k)) if live else None
+
+
 class Router:
     """Engine protocol over `replicas` (Ray actor handles of `EngineWorker`).
 
@@ -66,11 +72,9 @@ class Router:
 
     def _pick(self) -> int | None:
         with self._lock:
-            live = [i for i, ok in enumerate(self.healthy) if ok]
-            if not live:
-                return None
-            i = min(live, key=lambda k: (self.outstanding[k], k))
-            self.outstanding[i] += 1
+            i = least_loaded(self.outstanding, self.healthy)
+            if i is not None:
+                self.outstanding[i] += 1
             return i
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:

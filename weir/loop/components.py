@@ -276,13 +276,27 @@ def build(
         trainer, engine = ray_parts.trainer, ray_parts.router
     else:
         trainer = Actor(model, cfg)
-        engine = make_engine(cfg, model, tokenizer)
-        if cfg.model.selfcheck:
-            try:
-                run_selfcheck(model, engine, cfg.train)
-            except BaseException:
-                engine.close()
-                raise
+        if cfg.engine.type == "torch":
+            engine = make_engine(cfg, model, tokenizer)
+            if cfg.model.selfcheck:
+                try:
+                    run_selfcheck(model, engine, cfg.train)
+                except BaseException:
+                    engine.close()
+                    raise
+        else:  # vllm / sglang servers, in their own processes
+            from weir.engine.remote import start_engine_servers
+
+            engine = start_engine_servers(
+                cfg.engine,
+                run_model_path(cfg, run_dir),
+                run_dir / "engine",
+                eos_token_ids(model, tokenizer),
+                dtype=str(engine_placement(cfg, model)[1]).removeprefix("torch."),
+                seed=cfg.run.seed,
+            )
+            if cfg.engine.urls:  # attached servers may hold other weights: load the trainer's
+                engine.update_weights_sync(trainer.weights(), 0)
     try:
         return _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter

@@ -15,8 +15,15 @@ def engine_asleep(
     cfg: Config, engine: object, trainer_model: object, when: bool = True
 ) -> Iterator[None]:
     """Within the block the built-in engine holds no KV cache (and, with
-    engine.sleep_offload_weights, no weights when they are its own copy, not `trainer_model`); it
-    wakes on exit, also on error. Other engines (Ray replicas behind a router) are left as they are."""
+    engine.sleep_offload_weights, no weights when they are its own copy, not `trainer_model`); a
+    server engine with engine.sleep_mode releases its memory (vLLM sleep, SGLang
+    release_memory_occupation). Either wakes on exit, also on error. Other engines (Ray replicas
+    behind a router) are left as they are."""
+    server_asleep = getattr(engine, "asleep", None)
+    if when and server_asleep is not None and not isinstance(engine, TorchEngine):
+        with server_asleep():
+            yield
+        return
     if not (when and cfg.engine.sleep_while_training and isinstance(engine, TorchEngine)):
         yield
         return

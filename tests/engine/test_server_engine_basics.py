@@ -1,0 +1,111 @@
+"""Server engines without a server: what a user sees when one cannot start, what the config refuses
+up front, seeds, and the router's choice of replica. No vLLM needed: these run everywhere."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weir.config import load_config
+from weir.config.schema import EngineConfig
+from weir.engine.server_engine import sample_seed
+from weir.engine.servers import EngineNotInstalled, EngineStartError, ServerProcess, free_port
+from weir.engine.vllm_engine import start_vllm
+
+
+def test_vllm_not_installed_names_the_install_command(tmp_path):
+    cfg = EngineConfig(
+        type="vllm", python=sys.executable, max_model_len=64
+    )  # weir's own env has no vllm
+    with pytest.raises(EngineNotInstalled, match="make setup-vllm"):
+        start_vllm(cfg, str(tmp_path), tmp_path, eos_token_ids=[1], dtype="float32", seed=0)
+    cfg = EngineConfig(type="vllm", python=str(tmp_path / "no-such-python"), max_model_len=64)
+    with pytest.raises(EngineNotInstalled, match="does not exist.*make setup-vllm"):
+        start_vllm(cfg, str(tmp_path), tmp_path, eos_token_ids=[1], dtype="float32", seed=0)
+
+
+def test_a_server_that_dies_at_start_shows_its_log_tail(tmp_path):
+    script = (
+        "import sys; print('loading model'); print('CUDA out of memory: tried 9 GiB'); sys.exit(3)"
+    )
+    port = free_port()
+    proc = ServerProcess(
+        [sys.executable, "-c", script], f"http://127.0.0.1:{port}", log_path=tmp_path / "s.log"
+    )
+    proc.start()
+    with pytest.raises(EngineStartError) as err:
+        proc.wait_ready()
+    msg = str(err.value)
+    assert "exited with code 3" in msg and "CUDA out of memory: tried 9 GiB" in msg
+    assert str(tmp_path / "s.log") in msg
+
+
+def test_a_server_that_never_answers_times_out_with_its_log(tmp_path):
+    script = "import time; print('still compiling', flush=True); time.sleep(60)"
+    proc = ServerProcess(
+        [sys.executable, "-c", script],
+        f"http://127.0.0.1:{free_port()}",
+        log_path=tmp_path / "s.log",
+        startup_timeout_s=1.5,
+    )
+    proc.start()
+    with pytest.raises(EngineStartError, match="did not answer /health within 2 s"):
+        proc.wait_ready()
+    assert not proc.alive()  # stopped, not left behind
+    assert "still compiling" in (tmp_path / "s.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["rollout.top_p=0.9"], "rollout.top_p=1.0"),
+        (["rollout.top_k=20"], "rollout.top_k=0"),
+        (["cluster.type=ray"], "cluster.type=local"),
+    ],
+)
+def test_config_refuses_what_a_server_engine_cannot_run_exactly(override, needle):
+    with pytest.raises(ValueError, match=needle):
+        load_config(None, ["engine.type=vllm", *override])
+    load_config(None, ["engine.type=torch", *override[:1]] if "cluster" not in override[0] else [])
+
+
+@given(
+    st.integers(0, 2**63 - 1),
+    st.integers(0, 63),
+    st.integers(0, 63),
+    st.integers(0, 4096),
+    st.integers(0, 4096),
+)
+def test_sample_seeds_are_distinct_per_sample_and_continuation(seed, i, j, a, b):
+    s = sample_seed(seed, i, a)
+    assert 0 <= s < 2**63
+    assert s == sample_seed(seed, i, a)
+    if (i, a) != (j, b):
+        assert s != sample_seed(seed, j, b)
+
+
+def test_context_limit_defaults_to_the_models_and_is_capped_by_it(tmp_path):
+    from weir.engine.servers import model_max_len
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
+    assert model_max_len(tmp_path, None) == 512
+    assert model_max_len(tmp_path, 256) == 256
+    with pytest.raises(ValueError, match="engine.max_model_len <= 512"):
+        model_max_len(tmp_path, 2048)
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=1, max_size=8))
+def test_router_picks_the_least_loaded_healthy_replica(reps):
+    from weir.engine.router import least_loaded
+
+    outstanding, healthy = [o for o, _ in reps], [h for _, h in reps]
+    i = least_loaded(outstanding, healthy)
+    live = [k for k, h in enumerate(healthy) if h]
+    if not live:
+        assert i is None
+        return
+    assert healthy[i] and outstanding[i] == min(outstanding[k] for k in live)
+    assert i == min(k for k in live if outstanding[k] == outstanding[i])  # lowest index on a tie

@@ -1,0 +1,212 @@
+"""`engine.type: sglang`: SGLang servers behind weir's `ServerEngine`, through SGLang's native HTTP API.
+
+NOT VERIFIED AGAINST A LIVE SERVER. SGLang's CPU backend needs its sgl-kernel built from source for
+x86 CPUs with AMX; weir's reference machine has neither a GPU nor AMX, so this adapter is written to
+SGLang's documented HTTP API and tested against a stand-in server that implements that documented
+schema (tests/engine/test_sglang_adapter.py). See docs/engines.md.
+
+The endpoints weir uses (as slime does):
+
+- ``POST /generate`` with ``input_ids``, ``sampling_params`` (``temperature``, ``top_p``, ``top_k``
+  (-1 off), ``max_new_tokens``, ``stop_token_ids``, ``sampling_seed``, ``no_stop_trim``,
+  ``skip_special_tokens``), ``return_logprob: true`` and ``stream: true``. Each SSE event carries
+  ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text]`` triples, cumulative over the
+  stream, and ``meta_info.finish_reason`` (``{"type": "stop" | "length" | "abort"}``) on the last.
+- ``POST /update_weights_from_disk`` ``{"model_path": dir}`` -> ``{"success": bool, "message": str}``;
+  ``POST /flush_cache`` afterwards.
+- ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` (servers started with
+  ``--enable-memory-saver``) for colocation.
+- ``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (NCCL from the
+  trainer; GPU only, not exercised by weir's tests).
+
+Log-probs: SGLang reports the sampled token's log-prob; whether it is taken before or after the
+temperature depends on the SGLang version (``SGLANG_RETURN_ORIGINAL_LOGPROB``). weir's convention is
+``log_softmax(logits / T)``; with rollout.temperature = 1 both readings agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from weir.engine.base import SamplingParams
+from weir.engine.server_engine import ServerEngine, ServerError
+from weir.engine.servers import (
+    Replica,
+    ServerProcess,
+    check_installed,
+    default_python,
+    free_port,
+    model_max_len,
+)
+
+INSTALL_HINT = (
+    'pip install "sglang[all]" in a GPU environment of its own and set engine.python to its '
+    "python (SGLang has no CPU wheel; see docs/engines.md)"
+)
+
+
+class SglangBackend:
+    """How weir speaks to an SGLang server (native API)."""
+
+    name = "sglang"
+
+    def request(
+        self, context: list[int], params: SamplingParams, max_tokens: int, seed: int
+    ) -> tuple[str, dict[str, Any]]:
+        body = {
+            "input_ids": context,
+            "sampling_params": {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else -1,
+                "max_new_tokens": max_tokens,
+                "stop_token_ids": params.stop_token_ids,
+                "sampling_seed": seed,
+                "no_stop_trim": True,
+                "skip_special_tokens": False,
+            },
+            "return_logprob": True,
+            "stream": True,
+        }
+        return "/generate", body
+
+    def parse_event(
+        self, event: dict[str, Any], seen: int
+    ) -> tuple[list[tuple[int, float]], str | None]:
+        meta = event.get("meta_info") or {}
+        triples = meta.get("output_token_logprobs") or []
+        pairs = [(int(t[1]), float(t[0])) for t in triples[seen:]]
+        reason = meta.get("finish_reason")
+        finish = None
+        if reason is not None:
+            kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+            finish = kind if kind in ("stop", "length", "abort") else "stop"
+        return pairs, finish
+
+    async def _post(self, client: Any, url: str, path: str, body: dict | None = None) -> Any:
+        resp = await client.post(url + path, json=body if body is not None else {}, timeout=600.0)
+        if resp.status_code >= 400:
+            raise ServerError(f"SGLang {url}{path} answered {resp.status_code}: {resp.text[:500]}")
+        try:
+            out = resp.json()
+        except ValueError:
+            return None
+        if isinstance(out, dict) and out.get("success") is False:
+            raise ServerError(f"SGLang {url}{path} failed: {out.get('message')}")
+        return out
+
+    async def load_from_disk(self, client: Any, url: str, path: str) -> None:
+        await self._post(client, url, "/update_weights_from_disk", {"model_path": str(path)})
+        await self._post(client, url, "/flush_cache")
+
+    async def sleep(self, client: Any, url: str) -> None:
+        await self._post(client, url, "/release_memory_occupation")
+
+    async def wake(self, client: Any, url: str) -> None:
+        await self._post(client, url, "/resume_memory_occupation")
+
+    async def init_broadcast(
+        self, client: Any, url: str, host: str, port: int, rank_offset: int, world_size: int
+    ) -> None:
+        """Join the trainer's NCCL weight group (GPU only; not run in weir's tests)."""
+        await self._post(
+            client,
+            url,
+            "/init_weights_update_group",
+            {
+                "master_address": host,
+                "master_port": port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": "weir-sync",
+                "backend": "nccl",
+            },
+        )
+
+    async def receive_broadcast(
+        self, client: Any, url: str, metas: list[tuple[str, str, list[int]]]
+    ) -> None:
+        """Receive (name, dtype, shape) tensors broadcast by trainer rank 0 (GPU only; not run)."""
+        await self._post(
+            client,
+            url,
+            "/update_weights_from_distributed",
+            {
+                "names": [m[0] for m in metas],
+                "dtypes": [m[1] for m in metas],
+                "shapes": [list(m[2]) for m in metas],
+                "group_name": "weir-sync",
+                "flush_cache": True,
+            },
+        )
+
+
+def sglang_argv(
+    python: str, model_path: str, port: int, *, dtype: str, max_model_len: int, seed: int,
+    memory_saver: bool, extra_args: list[str],
+) -> list[str]:  # fmt: skip
+    """The command that starts one SGLang server for weir."""
+    argv = [
+        python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", dtype, "--context-length", str(max_model_len),
+        "--random-seed", str(seed), "--skip-server-warmup",
+    ]  # fmt: skip
+    if memory_saver:
+        argv.append("--enable-memory-saver")
+    return argv + list(extra_args)
+
+
+def start_sglang(
+    ecfg: Any,
+    model_path: str,
+    work_dir: str | Path,
+    *,
+    eos_token_ids: list[int],
+    dtype: str,
+    seed: int,
+) -> ServerEngine:
+    """Start (or attach to) the SGLang servers of `ecfg` (an `EngineConfig`)."""
+    work = Path(work_dir)
+    max_len = model_max_len(model_path, ecfg.max_model_len)
+    replicas: list[Replica] = [Replica(url.rstrip("/")) for url in ecfg.urls]
+    if not replicas:
+        python = ecfg.python or default_python(".venv-sglang")
+        check_installed(python, "sglang", INSTALL_HINT)
+        for i in range(ecfg.replicas):
+            port = free_port()
+            proc = ServerProcess(
+                argv=sglang_argv(
+                    python,
+                    model_path,
+                    port,
+                    dtype=dtype,
+                    max_model_len=max_len,
+                    seed=seed + i,
+                    memory_saver=ecfg.sleep_mode,
+                    extra_args=list(ecfg.extra_args),
+                ),  # fmt: skip
+                url=f"http://127.0.0.1:{port}",
+                log_path=work / f"sglang-{i}.log",
+                startup_timeout_s=ecfg.startup_timeout_s,
+            )
+            proc.start()
+            replicas.append(Replica(proc.url, proc))
+    try:
+        for r in replicas:
+            r.wait_ready(ecfg.startup_timeout_s)
+    except BaseException:
+        for r in replicas:
+            if r.process is not None:
+                r.process.stop()
+        raise
+    return ServerEngine(
+        SglangBackend(),
+        replicas,
+        eos_token_ids=eos_token_ids,
+        max_model_len=max_len,
+        seed=seed,
+        weights_dir=work / "weights",
+        request_timeout_s=ecfg.request_timeout_s,
+        model_dir=model_path,
+    )

