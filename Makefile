@@ -15,8 +15,10 @@ setup-vllm:
 demo: setup
 	$(VENV)/bin/weir demo
 
+# Two workers, one per core (every test uses one torch thread); whole files stay on one worker, so
+# module-scoped servers and Ray start once per file.
 test: setup setup-vllm
-	$(PY) -m pytest -q -rs --durations=15
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
