@@ -12,7 +12,7 @@ problems under greedy decoding but sometimes the right code when sampling: runni
 (GRPO on their pass fraction) teaches it the parentheses. The tiny model's byte-level tokenizer
 writes any Python; a program is ~23 tokens. Train and test problems never overlap (30% of the 729
 specs are test problems, by hash).
-Configs: examples/code.yaml (the demo), examples/code_quick.yaml (CI-sized).
+Config: examples/code.yaml (the demo).
 """
 
 from __future__ import annotations
