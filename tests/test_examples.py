@@ -23,8 +23,14 @@ def test_there_is_a_config_per_builtin_task():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_example_validates_and_builds_its_data(path):
-    cfg = load_config(path, ["data.eval_size=5", "data.train_size=5"])
+def test_example_validates_and_builds_its_data(path, tmp_path):
+    overrides = ["data.eval_size=5", "data.train_size=5"]
+    if load_config(path).reward.function == "reward_model":  # its RM path is a placeholder
+        from tests.rewards.test_reward_models import build_rm
+
+        build_rm(tmp_path / "rm")
+        overrides.append(f"reward.kwargs.path={tmp_path / 'rm'}")
+    cfg = load_config(path, overrides)
     assert cfg.data.task is not None
     get_task(cfg.data.task)
     assert callable(reward_function(cfg))

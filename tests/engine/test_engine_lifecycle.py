@@ -314,8 +314,8 @@ def test_a_dying_loop_thread_fails_every_caller(make_engine, model):
             raise SystemExit("simulated thread death")
         return forward(*args, **kwargs)
 
+    engine = make_engine()  # its start-up forward (measuring the KV cell) must not die
     model.forward = dying
-    engine = make_engine()
     fut = engine.submit([6, 7, 8], SamplingParams(max_new_tokens=10))
     with pytest.raises(RuntimeError, match="thread died"):
         fut.result(timeout=30)

@@ -25,8 +25,8 @@ def trained_run(tmp_path_factory):
         QUICK,
         [
             f"run.dir={root / 'sft'}",
-            "sft.rows=1500",
-            "sft.epochs=3",
+            "sft.rows=3000",
+            "sft.epochs=4",
             "sft.task_options.corrupt=0.0",
             "telemetry.console=false",
         ],
@@ -39,7 +39,7 @@ def trained_run(tmp_path_factory):
             "run.steps=3",
             "data.eval_size=60",
             "rollout.batch_prompts=8",
-            "train.lr=1e-3",
+            "train.lr=1e-4",
             "telemetry.console=false",
         ],
     )

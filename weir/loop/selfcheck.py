@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from weir.config.devices import resolve_dtype
 from weir.engine.base import SamplingParams
 from weir.engine.support import SUPPORTED, UnsupportedModel, model_support
 from weir.train.packing import choose_layout, packed_response_logprobs, response_logprobs
@@ -116,7 +117,11 @@ def run_selfcheck(model: torch.nn.Module, engine: Any, train_cfg: Any) -> SelfCh
     set ``train_cfg.packing`` to "padded" when packing must be avoided. Raises `UnsupportedModel`."""
     t0 = time.perf_counter()
     support = model_support(model.config)
-    tol = tolerance(next(model.parameters()).dtype)
+    p = next(model.parameters())
+    # the loosest precision in play: master weights, the trainer's compute dtype, the engine's
+    compute = resolve_dtype(getattr(train_cfg, "compute_dtype", None), p.device)
+    engine_dtype = next(engine.model.parameters()).dtype
+    tol = max(tolerance(d) for d in (p.dtype, compute, engine_dtype))
     probe_len = probe_length(model, engine.max_seq_len)
     avoid = set(engine.eos_token_ids) | {engine.pad_token_id}
     packed_err = check_packing(model, train_cfg, engine.vocab_size, avoid, probe_len)
@@ -137,7 +142,9 @@ def run_selfcheck(model: torch.nn.Module, engine: Any, train_cfg: Any) -> SelfCh
             ).logprobs[0]
         finally:
             model.train(was_training)
-        engine_err = float((ref - torch.tensor(completion.logprobs)).abs().mean())
+        engine_err = float(
+            (ref - torch.tensor(completion.logprobs, device=ref.device)).abs().mean()
+        )
     if engine_err > tol:
         raise UnsupportedModel(
             f"self-check: engine and trainer log-probs differ by {engine_err:.3g} nats/token on "
