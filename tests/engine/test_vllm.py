@@ -145,7 +145,9 @@ def test_weight_update_mid_generation_versions_and_logprobs(engine, base):
             fresh = trainer_logprobs(new, p, c.token_ids, 1.0)
             assert torch.allclose(lp[:k], old[:k], atol=LOGPROB_BOUND, rtol=0)
             assert torch.allclose(lp[k:], fresh[k:], atol=LOGPROB_BOUND, rtol=0)
-    assert spanning >= 1, [(c.versions.count(0), len(c.versions), c.finish_reason) for g in out["r"] for c in g]
+    assert spanning >= 1, [
+        (c.versions.count(0), len(c.versions), c.finish_reason) for g in out["r"] for c in g
+    ]
     assert engine.version == 1
 
 
