@@ -205,8 +205,9 @@ def start_vllm_server(model_dir: str, args, eos: int):
     from weir.engine.vllm_engine import start_vllm
 
     cfg = EngineConfig(type="vllm", max_model_len=args.max_prompt + args.max_new_tokens + 8)
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # vLLM's own device
     return start_vllm(
-        cfg, model_dir, f"{model_dir}/engine", eos_token_ids=[eos], dtype="float32", seed=args.seed
+        cfg, model_dir, f"{model_dir}/engine", eos_token_ids=[eos], dtype=dtype, seed=args.seed
     )
 
 

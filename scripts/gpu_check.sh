@@ -7,7 +7,8 @@
 # (PYTHONPATH), nothing is installed system-wide: weir's other dependencies come from the wheels
 # in WHEEL_DIR, unpacked into a private directory ($WEIR_SITE, default /tmp/weir-site). No network.
 # GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_QUICK=0 runs it at full size (slower);
-# GPU_CHECK_OUT names where results go (default gpu_check_out/).
+# GPU_CHECK_OUT names where results go (default gpu_check_out/). Where vLLM is installed (this
+# Python, or WEIR_VLLM_PYTHON), the vLLM engine's tests and throughput rows run too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-.whl}
@@ -53,5 +54,16 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   [ "${GPU_CHECK_QUICK:-1}" = 0 ] && quick=()
   "$PY" benchmarks/gpu_step.py "${quick[@]}" --grpo-steps "${GPU_CHECK_GRPO_STEPS:-20}" --ray \
     --out "$OUTDIR/gpu_step.json" 2>&1 | tee "$OUTDIR/gpu_step.log" || status=1
+fi
+# vLLM, when this machine's Python (or $WEIR_VLLM_PYTHON) has it: the vLLM engine's tests and its
+# throughput rows, with the servers started from that interpreter.
+VLLM_PY=${WEIR_VLLM_PYTHON:-$PY}
+if "$VLLM_PY" -W ignore -c "import vllm" >/dev/null 2>&1; then
+  export WEIR_VLLM_PYTHON="$VLLM_PY"
+  "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_vllm.py \
+    --junitxml "$OUTDIR/vllm_tests.xml" 2>&1 | tee "$OUTDIR/vllm_tests.log" || status=1
+  "$PY" benchmarks/engine_throughput.py --vllm 2>&1 | tee "$OUTDIR/vllm_engine.log" || status=1
+else
+  echo "gpu_check: vLLM is not installed for $VLLM_PY; skipping the vLLM engine (set WEIR_VLLM_PYTHON)"
 fi
 exit "$status"

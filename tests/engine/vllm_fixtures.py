@@ -14,7 +14,10 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def vllm_python() -> str:
-    """The vLLM environment's Python; in CI its absence fails the test instead of skipping it."""
+    """The vLLM environment's Python (``$WEIR_VLLM_PYTHON``, else .venv-vllm); in CI its absence
+    fails the test instead of skipping it."""
+    if os.environ.get("WEIR_VLLM_PYTHON"):
+        return os.environ["WEIR_VLLM_PYTHON"]
     if VLLM_PYTHON.exists():
         return str(VLLM_PYTHON)
     reason = f"no vLLM environment at {VLLM_PYTHON}: run `make setup-vllm`"

@@ -220,8 +220,11 @@ class Replica:
 
 
 def default_python(venv: str = ".venv-vllm") -> str:
-    """``engine.python`` when unset: `venv` in the current directory, else in weir's checkout (an
-    editable install, where `make setup-vllm` builds it), else this interpreter."""
+    """``engine.python`` when unset: ``$WEIR_VLLM_PYTHON`` (e.g. a GPU machine's own Python with vLLM
+    installed, as scripts/gpu_check.sh sets it), else `venv` in the current directory, else in
+    weir's checkout (an editable install, where `make setup-vllm` builds it), else this interpreter."""
+    if os.environ.get("WEIR_VLLM_PYTHON"):
+        return os.environ["WEIR_VLLM_PYTHON"]
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         candidate = root / venv / "bin" / "python"
         if candidate.exists():
