@@ -125,9 +125,9 @@ def test_random_arrivals_stress(make_engine, model):
 
 
 def test_cache_grows_when_rows_outlive_the_headroom(make_engine, model, monkeypatch):
-    from weir.engine import torch_engine
+    from weir.engine import slabs
 
-    monkeypatch.setattr(torch_engine._Rows, "remaining", lambda self: 0)
+    monkeypatch.setattr(slabs.Rows, "remaining", lambda self: 0)
     engine = make_engine(eos_token_ids=[])
     prompts = make_prompts(3, 4, 9, seed=34)
     results = engine.generate_many(prompts, SamplingParams(n=2, max_new_tokens=25))

@@ -14,7 +14,7 @@ from engine_helpers import (
 )
 
 from weir.engine import SamplingParams
-from weir.engine.torch_engine import _mix32_t, mix32, sample_key, stream_uniform
+from weir.engine.streams import _mix32_t, mix32, sample_key, stream_uniform
 
 
 def test_temperature_zero_is_argmax(engine, model):

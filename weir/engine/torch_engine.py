@@ -55,6 +55,13 @@ Thread-safety: ``submit`` / ``generate`` may be called from any thread or event 
 methods (``pause`` / ``resume`` / ``abort`` / ``update_weights``) have async forms for the `Engine`
 protocol and ``*_sync`` forms for plain threads; they must not be called from the engine thread itself
 (a concurrent future's done-callback), except ``close``.
+
+Modules
+-------
+This module holds the engine's thread, admission and sampling. The running batch and its KV slabs are
+in `weir.engine.slabs`, requests and their futures in `weir.engine.requests`, the random streams in
+`weir.engine.streams`, the KV budget in `weir.engine.kv_budget`, sleep/wake in `weir.engine.memory`,
+and per-layer-type attention masks in `weir.engine.masks`.
 """
 
 from __future__ import annotations
@@ -68,13 +75,12 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.kv_budget import (
@@ -82,481 +88,19 @@ from weir.engine.kv_budget import (
     KVBudgetError,
     KVMeter,
     KVState,
-    SlabPlan,
     bind_meter,
-    current_meter,
     measure_cell_bytes,
-    plan_slabs,
     resolve_budget,
 )
 from weir.engine.masks import layer_masks
 from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
+from weir.engine.requests import Request, expand_versions, set_exception
+from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, RunningBatch, SlabCache
+from weir.engine.streams import sample_key, stream_uniform
 from weir.engine.support import model_support
 from weir.telemetry.timeline import span
 
 __all__ = ["TorchEngine"]
-
-# ---------------------------------------------------------------------------------------------------
-# Counter-based random numbers (same function in Python and in torch; tested against each other).
-
-_M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
-# Multipliers below 2**31 keep every product of a 32-bit value under 2**63 (no int64 overflow).
-_C1 = 0x21F0AAAD
-_C2 = 0x735A2D97
-
-
-def mix32(x: int) -> int:
-    """A 32-bit integer hash (a bijection on [0, 2**32)); the Python twin of `_mix32_t`."""
-    x &= _M32
-    x ^= x >> 16
-    x = (x * _C1) & _M32
-    x ^= x >> 15
-    x = (x * _C2) & _M32
-    return x ^ (x >> 15)
-
-
-def _mix32_t(x: torch.Tensor) -> torch.Tensor:
-    """`mix32` on an int64 tensor of values in [0, 2**32) (modified in place and returned)."""
-    x.bitwise_xor_(x >> 16).mul_(_C1).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 15).mul_(_C2).bitwise_and_(_M32)
-    return x.bitwise_xor_(x >> 15)
-
-
-def stream_uniform(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """The uniform in (0, 1) (float32) for token index `step` of the streams with 32-bit `key`."""
-    h = _mix32_t(step.mul(_GOLDEN).add_(key).bitwise_and_(_M32))
-    return h.to(torch.float32).add_(0.5).mul_(2.0**-32)
-
-
-def sample_key(seed: int, sample_index: int) -> int:
-    """The stream key of sample `sample_index` of a request seeded with `seed` (any Python int)."""
-    s = mix32(mix32(seed & _M32) ^ mix32((seed >> 32) ^ 0x6A09E667))
-    return mix32(s ^ mix32(sample_index + 0x3C6EF372))
-
-
-# ---------------------------------------------------------------------------------------------------
-# KV cache: preallocated slabs, rows right-aligned.
-
-
-class _Geometry:
-    """Which part of the slabs is in use: rows ``[0, rows)``, columns ``[c0, c0 + length)``."""
-
-    __slots__ = ("rows", "c0", "length")
-
-    def __init__(self, rows: int, c0: int = 0, length: int = 0):
-        self.rows, self.c0, self.length = rows, c0, length
-
-
-class _SlabLayer(CacheLayerMixin):
-    """One layer's keys/values in slabs ``[row_capacity, kv_heads, col_capacity, head_dim]``.
-
-    ``update`` writes the new columns after the used ones in place and returns views of the used
-    part; the shared geometry's ``length`` is advanced by the engine once per forward pass.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, geo: _Geometry, capacity: int):
-        super().__init__()
-        self.geo = geo
-        self.capacity = capacity
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, _ = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(b, h, self.capacity, key_states.shape[-1])
-        self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
-        meter = current_meter()
-        if meter is not None:
-            meter.track(self.keys)
-            meter.track(self.values)
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        g = self.geo
-        n, c0 = g.rows, g.c0
-        start = c0 + g.length
-        end = start + key_states.shape[-2]
-        self.keys[:n, :, start:end].copy_(key_states)
-        self.values[:n, :, start:end].copy_(value_states)
-        return self.keys[:n, :, c0:end], self.values[:n, :, c0:end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.geo.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.geo.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _SlabCache(Cache):
-    def __init__(self, num_layers: int, geo: _Geometry, capacity: int):
-        super().__init__(layers=[_SlabLayer(geo, capacity) for _ in range(num_layers)])
-        self.geo = geo
-
-    def used(self, layer: _SlabLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self.geo
-        return (
-            layer.keys[: g.rows, :, g.c0 : g.c0 + g.length],
-            layer.values[: g.rows, :, g.c0 : g.c0 + g.length],
-        )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Requests and rows.
-
-
-class _Request:
-    __slots__ = ("prompt", "params", "future", "seed", "results", "remaining", "greedy", "filtered")
-
-    def __init__(self, prompt: list[int], params: SamplingParams, future: Future, seed: int):
-        self.prompt = prompt
-        self.params = params
-        self.future = future
-        self.seed = seed
-        self.results: list[Completion | None] = [None] * params.n
-        self.remaining = params.n
-        self.greedy = params.temperature == 0.0
-        self.filtered = False  # set at admission (needs the vocabulary size)
-
-    def finish_sample(self, index: int, completion: Completion) -> None:
-        if self.results[index] is not None:
-            return
-        self.results[index] = completion
-        self.remaining -= 1
-        if self.remaining == 0:
-            _set_result(self.future, self.results)
-
-    def abort_unfinished(self) -> None:
-        for i, r in enumerate(self.results):
-            if r is None:
-                self.finish_sample(i, Completion([], [], [], "abort"))
-
-
-def _set_result(fut: Future, value: Any) -> None:
-    try:
-        if not fut.done():
-            fut.set_result(value)
-    except InvalidStateError:  # cancelled concurrently
-        pass
-
-
-def _set_exception(fut: Future, exc: BaseException) -> None:
-    try:
-        if not fut.done():
-            fut.set_exception(exc)
-    except InvalidStateError:
-        pass
-
-
-# Column layout of the per-row integer state.
-_TOK, _POS, _START, _NGEN, _MAXNEW, _TOPK, _KEY, _FILT = range(8)
-# Column layout of the per-row float state.
-_INVT, _TOPP = range(2)
-
-
-class _Rows:
-    """Per-row state: tensors for the hot path (rows ``[0, n)`` live; the tensors may have spare rows
-    and columns), Python lists for bookkeeping.
-
-    ints[:, _TOK]    last sampled token (the next step's input)   ints[:, _POS]   its position id
-    ints[:, _START]  first real cache column of the row            ints[:, _NGEN]  tokens generated
-    ints[:, _MAXNEW] generation limit                              ints[:, _TOPK]  top-k (vocab = off)
-    ints[:, _KEY]    random stream key                             ints[:, _FILT]  1 if top-k/p apply
-    floats[:, _INVT] 1 / temperature (1 when greedy)              floats[:, _TOPP] top-p
-    stops  [rows, S] stop ids (eos included), padded with -1
-    out_tok / out_lp [rows, C]  generated tokens and their log-probs
-    """
-
-    def __init__(self, ints, floats, stops, out_tok, out_lp, reqs, sample_idx, vchanges):
-        self.ints, self.floats, self.stops = ints, floats, stops
-        self.out_tok, self.out_lp = out_tok, out_lp
-        self.reqs: list[_Request] = reqs
-        self.sample_idx: list[int] = sample_idx
-        self.vchanges: list[list[tuple[int, int]]] = vchanges
-        self.n = len(reqs)
-        self.n_greedy = sum(r.greedy for r in reqs)
-        self.n_filtered = sum(r.filtered for r in reqs)
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Rebuild the views of the live rows (after rows joined or left)."""
-        n = self.n
-        ints = self.ints[:n]
-        self.tok, self.pos, self.start = ints[:, _TOK], ints[:, _POS], ints[:, _START]
-        self.ngen, self.maxnew, self.key = ints[:, _NGEN], ints[:, _MAXNEW], ints[:, _KEY]
-        self.top_k = ints[:, _TOPK]
-        self.inv_t, self.top_p = self.floats[:n, _INVT], self.floats[:n, _TOPP]
-        self.stops_v, self.out_tok_v, self.out_lp_v = (
-            self.stops[:n],
-            self.out_tok[:n],
-            self.out_lp[:n],
-        )
-        self.all_greedy = n > 0 and self.n_greedy == n
-        if self.n_greedy and not self.all_greedy:
-            self.greedy_idx = torch.tensor(
-                [i for i, r in enumerate(self.reqs) if r.greedy], device=ints.device
-            )
-        else:
-            self.greedy_idx = None
-        self.filt_idx = ints[:, _FILT].nonzero().squeeze(1) if self.n_filtered else None
-
-    def remaining(self) -> int:
-        """The most tokens any live row may still generate."""
-        return int((self.maxnew - self.ngen).max()) if self.n else 0
-
-
-class _Running(_Rows):
-    """The running batch: rows plus their KV slabs (geometry shared with the cache layers)."""
-
-    def __init__(
-        self, num_layers: int, device: torch.device, max_rows: int, kv: KVState | None = None
-    ):
-        self.num_layers = num_layers
-        self.device = device
-        self.max_rows = max_rows
-        self.kv = kv or KVState(0, 2 * num_layers, None, 1 << 62, KVMeter())
-        z = torch.zeros(0, 8, dtype=torch.long, device=device)
-        super().__init__(
-            z,
-            torch.zeros(0, 2, device=device),
-            torch.zeros(0, 1, dtype=torch.long, device=device),
-            torch.zeros(0, 1, dtype=torch.long, device=device),
-            torch.zeros(0, 1, device=device),
-            [],
-            [],
-            [],
-        )
-        self.geo = _Geometry(0)
-        self.cache: _SlabCache | None = None
-
-    # -- joining ------------------------------------------------------------------------------------
-
-    def join(self, inc: _Rows, pcache: _SlabCache, owner: torch.Tensor) -> None:
-        """Append the rows of `inc`, whose KV is row ``owner[i]`` of the prefill cache `pcache`."""
-        b, m = self.n, inc.n
-        geo = self.geo
-        lp, length = pcache.geo.length, geo.length
-        new_len = max(length, lp)
-        headroom = max(self.remaining(), inc.remaining())
-        c0 = geo.c0 - (new_len - length) if b else 0
-        rows_cap, cols_cap = self.capacity()
-        if self.cache is None or b + m > rows_cap or new_len + headroom > cols_cap:
-            self._realloc_cache(b + m, new_len, headroom, pcache)
-            geo = self.geo
-        elif c0 < 0 or c0 + new_len + headroom > cols_cap:
-            self._move_live(new_len)  # the capacity suffices; the live columns sit too far right
-        elif new_len > length or not b:
-            # Extend the used columns to the left (stale columns there are finite and masked out).
-            if b:
-                self.start += new_len - length
-            geo.c0, geo.length = c0, new_len
-        # Newcomers' KV, right-aligned.
-        c0 = geo.c0
-        for layer, player in zip(self.cache.layers, pcache.layers, strict=True):
-            for name in ("keys", "values"):
-                dst = getattr(layer, name)[b : b + m, :, c0 + new_len - lp : c0 + new_len]
-                src = getattr(player, name)[:, :, :lp]
-                torch.index_select(src, 0, owner, out=dst)
-        self._append_rows(inc, new_len - lp)
-        geo.rows = self.n
-
-    def _realloc_cache(self, rows: int, new_len: int, headroom: int, like: _SlabCache) -> None:
-        """New slabs with room for `rows` rows and `new_len + headroom` columns; live rows are moved
-        right-aligned to column `new_len` (c0 = 0)."""
-        geo = self.geo
-        b, length = self.n, geo.length
-        plan = self.plan(rows, new_len + headroom)
-        if plan is None or not plan.realloc:  # over budget (only the decode-time safety net gets
-            # here: admission checked the plan) or large enough: the exact need, in new slabs
-            plan = SlabPlan(max(rows, self.capacity()[0]), new_len + headroom, 0, True)
-        rows_cap, cols_cap = plan.rows, plan.cols
-        old = self.cache
-        if not b:
-            self.cache = old = None  # nothing to copy: free the old slabs before allocating
-        new_geo = _Geometry(b, 0, new_len)
-        new = _SlabCache(self.num_layers, new_geo, cols_cap)
-        meter = self.kv.meter
-        for i, layer in enumerate(new.layers):
-            ref = like.layers[i]
-            for name in ("keys", "values"):
-                t = getattr(ref, name)
-                buf = meter.track(t.new_zeros(rows_cap, t.shape[1], cols_cap, t.shape[3]))
-                if b:
-                    src = getattr(old.layers[i], name)
-                    buf[:b, :, new_len - length : new_len].copy_(
-                        src[:b, :, geo.c0 : geo.c0 + length]
-                    )
-                    setattr(old.layers[i], name, None)  # free each old slab once copied
-                    del src
-                setattr(layer, name, buf)
-            layer.dtype, layer.device, layer.is_initialized = ref.dtype, ref.device, True
-        self.kv.reallocs += 1
-        real = sum(
-            t.numel() * t.element_size() for layer in new.layers for t in (layer.keys, layer.values)
-        )
-        if self.kv.cell and real != rows_cap * cols_cap * self.kv.cell:
-            raise NotImplementedError(
-                f"the model's KV tensors take {real} bytes for {rows_cap} x {cols_cap} cells, not the "
-                f"{self.kv.cell} bytes per cell measured at start; the KV budget cannot be kept"
-            )
-        if b and new_len > length:
-            self.start += new_len - length
-        self.cache, self.geo = new, new_geo
-
-    # -- capacity -----------------------------------------------------------------------------------
-
-    def capacity(self) -> tuple[int, int]:
-        """Rows and columns of the current slabs (0, 0 when there are none)."""
-        if self.cache is None:
-            return 0, 0
-        keys = self.cache.layers[0].keys
-        return int(keys.shape[0]), int(keys.shape[2])
-
-    def slab_bytes(self) -> int:
-        rows, cols = self.capacity()
-        return rows * cols * self.kv.cell
-
-    def plan(self, need_rows: int, need_cols: int, extra: int = 0) -> SlabPlan | None:
-        """Slabs for `need_rows` rows x `need_cols` columns (`plan_slabs`), with `extra` bytes more
-        alive meanwhile (a prefill not yet run)."""
-        kv = self.kv
-        rows_cap, cols_cap = self.capacity()
-        return plan_slabs(
-            need_rows=need_rows,
-            need_cols=need_cols,
-            cap_rows=rows_cap,
-            cap_cols=cols_cap,
-            max_rows=self.max_rows,
-            max_cols=kv.max_cols,
-            live=kv.meter.live + extra,
-            old_bytes=self.slab_bytes(),
-            cell=kv.cell,
-            tensors=kv.tensors,
-            budget=kv.budget,
-            copy_old=self.n > 0,
-        )
-
-    def _move_live(self, new_len: int) -> None:
-        """Move the live columns within the slabs so that they end at column `new_len` (c0 = 0), one
-        slab at a time through a scratch copy of its live part."""
-        geo = self.geo
-        b, c0, length = self.n, geo.c0, geo.length
-        dst0 = new_len - length
-        meter = self.kv.meter
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                src = t[:b, :, c0 : c0 + length]
-                if abs(dst0 - c0) < length:  # overlapping ranges: go through scratch
-                    src = meter.track(src.clone())
-                t[:b, :, dst0 : dst0 + length].copy_(src)
-                del src
-        if b and new_len > length:
-            self.start += new_len - length
-        geo.c0, geo.length = 0, new_len
-        self.kv.moves += 1
-
-    def release_cache(self) -> None:
-        """Drop the slabs (their memory is freed once nothing else references them). Rows still
-        live need their KV rebuilt (the engine's recompute) before the next decode step."""
-        if self.cache is not None:
-            self.kv.releases += 1
-        self.cache = None
-        self.geo = _Geometry(self.n)
-
-    def _append_rows(self, inc: _Rows, start_shift: int) -> None:
-        b, m = self.n, inc.n
-        need = b + m
-        self.ints = _ensure(self.ints, need, self.ints.shape[1], 0)
-        self.floats = _ensure(self.floats, need, self.floats.shape[1], 0.0)
-        self.stops = _ensure(self.stops, need, inc.stops.shape[1], -1)
-        self.out_tok = _ensure(self.out_tok, need, inc.out_tok.shape[1], 0)
-        self.out_lp = _ensure(self.out_lp, need, inc.out_lp.shape[1], 0.0)
-        self.ints[b:need] = inc.ints[:m]
-        if start_shift:
-            self.ints[b:need, _START] += start_shift
-        self.floats[b:need] = inc.floats[:m]
-        self.stops[b:need].fill_(-1)
-        self.stops[b:need, : inc.stops.shape[1]] = inc.stops[:m]
-        self.out_tok[b:need, : inc.out_tok.shape[1]] = inc.out_tok[:m]
-        self.out_lp[b:need, : inc.out_lp.shape[1]] = inc.out_lp[:m]
-        self.reqs += inc.reqs[:m]
-        self.sample_idx += inc.sample_idx[:m]
-        self.vchanges += inc.vchanges[:m]
-        self.n = need
-        self.n_greedy += inc.n_greedy
-        self.n_filtered += inc.n_filtered
-        self.refresh()
-
-    # -- leaving ------------------------------------------------------------------------------------
-
-    def remove(self, rows: list[int]) -> None:
-        """Drop `rows` (sorted, distinct): the last live rows move into their slots, then the cache
-        columns that are padding for every remaining row are trimmed."""
-        b = self.n
-        keep_n = b - len(rows)
-        gone = set(rows)
-        holes = [r for r in rows if r < keep_n]
-        movers = [r for r in range(keep_n, b) if r not in gone]
-        for r in rows:
-            req = self.reqs[r]
-            self.n_greedy -= req.greedy
-            self.n_filtered -= req.filtered
-        if holes:
-            h = torch.tensor(holes, device=self.device)
-            mv = torch.tensor(movers, device=self.device)
-            for t in (self.ints, self.floats, self.stops, self.out_tok, self.out_lp):
-                t.index_copy_(0, h, t.index_select(0, mv))
-            for layer in self.cache.layers if self.cache is not None else ():
-                for t in self.cache.used(layer):
-                    t.index_copy_(0, h, self.kv.meter.track(t.index_select(0, mv)))
-            for lst in (self.reqs, self.sample_idx, self.vchanges):
-                for dst, src in zip(holes, movers, strict=True):
-                    lst[dst] = lst[src]
-        for lst in (self.reqs, self.sample_idx, self.vchanges):
-            del lst[keep_n:]
-        self.n = keep_n
-        self.geo.rows = keep_n
-        self.refresh()
-        if not keep_n:  # empty: the slabs are reused from column 0 by the next join
-            self.geo.c0 = self.geo.length = 0
-        else:
-            first = int(self.start.min())
-            if first:
-                self.start -= first
-                self.geo.c0 += first
-                self.geo.length -= first
-
-
-def _ensure(t: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tensor:
-    """`t` itself when it has room for `rows` x `cols`, else a larger copy (rows doubled)."""
-    if rows <= t.shape[0] and cols <= t.shape[1]:
-        return t
-    new_rows = max(rows, 2 * t.shape[0]) if rows > t.shape[0] else t.shape[0]
-    out = t.new_full((new_rows, max(cols, t.shape[1])), fill)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
-def _expand_versions(changes: list[tuple[int, int]], n: int) -> list[int]:
-    out: list[int] = []
-    for i, (start, version) in enumerate(changes):
-        end = changes[i + 1][0] if i + 1 < len(changes) else n
-        end = min(end, n)
-        if end > start:
-            out.extend([version] * (end - start))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------------
 
@@ -663,8 +207,8 @@ class TorchEngine:
         self._mu = threading.Lock()  # guards the pending queue and the flags below
         self._cond = threading.Condition(self._mu)
         self._step_lock = threading.Lock()  # held for one loop iteration, or by a control operation
-        self._pending: deque[_Request] = deque()
-        self._cancelled: set[_Request] = set()
+        self._pending: deque[Request] = deque()
+        self._cancelled: set[Request] = set()
         self._paused = False
         self._interrupts = 0
         self._closed = False
@@ -705,7 +249,7 @@ class TorchEngine:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         futures: list[Future[list[Completion]]] = []
-        reqs: list[_Request] = []
+        reqs: list[Request] = []
         with self._mu:
             if self._closed:
                 raise RuntimeError("TorchEngine is closed")
@@ -722,7 +266,7 @@ class TorchEngine:
                 if sp.max_new_tokens == 0:
                     fut.set_result([Completion([], [], [], "length") for _ in range(sp.n)])
                     continue
-                req = _Request(prompt, sp, fut, seed)
+                req = Request(prompt, sp, fut, seed)
                 reqs.append(req)
                 self._pending.append(req)
             self._cond.notify_all()
@@ -923,7 +467,7 @@ class TorchEngine:
             )
         return None
 
-    def _on_future_done(self, fut: Future, req: _Request) -> None:
+    def _on_future_done(self, fut: Future, req: Request) -> None:
         if fut.cancelled():
             with self._mu:
                 self._cancelled.add(req)
@@ -949,8 +493,8 @@ class TorchEngine:
                 self._interrupts -= 1
                 self._cond.notify_all()
 
-    def _new_batch(self) -> _Running:
-        return _Running(self._num_layers, self._device, self.max_batch_size, self._kv)
+    def _new_batch(self) -> RunningBatch:
+        return RunningBatch(self._num_layers, self._device, self.max_batch_size, self._kv)
 
     def _set_version(self, version: int) -> None:
         version = int(version)
@@ -1060,14 +604,14 @@ class TorchEngine:
             pending = list(self._pending)
             self._pending.clear()
         for req in pending:
-            _set_exception(req.future, exc)
+            set_exception(req.future, exc)
         self._fail_running(exc)
 
     def _fail_running(self, exc: BaseException) -> None:
         b = self._batch
         self._batch = self._new_batch()
         for req in set(b.reqs):
-            _set_exception(req.future, exc)
+            set_exception(req.future, exc)
 
     def _drop_cancelled(self) -> None:
         with self._mu:
@@ -1077,9 +621,9 @@ class TorchEngine:
         if gone:
             b.remove(gone)
 
-    def _take_pending(self) -> list[_Request]:
-        taken: list[_Request] = []
-        refused: list[tuple[_Request, KVBudgetError]] = []
+    def _take_pending(self) -> list[Request]:
+        taken: list[Request] = []
+        refused: list[tuple[Request, KVBudgetError]] = []
         rows, longest = self._batch.n, 0
         with self._mu:
             while self._pending:
@@ -1107,13 +651,13 @@ class TorchEngine:
                 rows += n
                 longest = longest_if
         for req, exc in refused:
-            _set_exception(req.future, exc)
+            set_exception(req.future, exc)
         return taken
 
-    def _max_new(self, req: _Request) -> int:
+    def _max_new(self, req: Request) -> int:
         return min(req.params.max_new_tokens, self.max_seq_len - len(req.prompt))
 
-    def _kv_fits(self, reqs: list[_Request]) -> bool:
+    def _kv_fits(self, reqs: list[Request]) -> bool:
         """Whether admitting `reqs` now keeps the KV bytes alive within the budget: their prefill
         cache on top of what is alive, then the running slabs (grown if need be) with every sample
         of every request joined."""
@@ -1127,7 +671,7 @@ class TorchEngine:
         rows = b.n + sum(r.params.n for r in reqs)
         return b.plan(rows, new_len + headroom, extra=prefill) is not None
 
-    def _kv_refusal(self, req: _Request) -> KVBudgetError:
+    def _kv_refusal(self, req: Request) -> KVBudgetError:
         return self._kv_error(len(req.prompt), req.params.n, self._max_new(req))
 
     def _kv_error(self, prompt_len: int, n: int, max_new: int) -> KVBudgetError:
@@ -1162,7 +706,7 @@ class TorchEngine:
             raise self._kv_error(prompt_len, n, min(max_new_tokens, self.max_seq_len - prompt_len))
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: _SlabCache
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: SlabCache
     ) -> torch.Tensor:
         """Logits of the last position, float32 [rows, vocab]. `mask` is a boolean [rows, 1, q, kv]
         (causal + padding); sliding windows are added per layer type by `layer_masks`."""
@@ -1178,12 +722,12 @@ class TorchEngine:
         cache.geo.length += ids.shape[1]
         return out.logits[:, -1, :].float()
 
-    def _admit(self, reqs: list[_Request]) -> None:
+    def _admit(self, reqs: list[Request]) -> None:
         try:
             staged = self._prefill(reqs)
         except Exception as exc:
             if len(reqs) == 1:
-                _set_exception(reqs[0].future, exc)
+                set_exception(reqs[0].future, exc)
                 return
             # Isolate the faulty request(s): prefill one by one.
             for req in reqs:
@@ -1194,11 +738,11 @@ class TorchEngine:
                 self._batch.join(*staged)
             except Exception as exc:  # the running batch may be inconsistent: fail it too
                 for req in reqs:
-                    _set_exception(req.future, exc)
+                    set_exception(req.future, exc)
                 raise
 
     def _prefill_forward(
-        self, seqs: list[list[int]], cache: _SlabCache, width: int | None = None
+        self, seqs: list[list[int]], cache: SlabCache, width: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over `seqs` left-padded to `width` (default: the longest), filling `cache`.
         Returns the last position's logits and each sequence's first real column."""
@@ -1231,16 +775,16 @@ class TorchEngine:
         cols = width + b.remaining() + 1
         chunk = max(1, self.max_prefill_tokens // width)
         if chunk >= b.n:
-            cache = _SlabCache(self._num_layers, _Geometry(b.n), cols)
+            cache = SlabCache(self._num_layers, Geometry(b.n), cols)
             _, start = self._prefill_forward(seqs, cache)
         else:  # several forwards, each padded to the common width, copied into one cache
             cache, starts = None, []
             for lo in range(0, b.n, chunk):
                 hi = min(lo + chunk, b.n)
-                part = _SlabCache(self._num_layers, _Geometry(hi - lo), width)
+                part = SlabCache(self._num_layers, Geometry(hi - lo), width)
                 _, part_start = self._prefill_forward(seqs[lo:hi], part, width)
                 if cache is None:
-                    cache = _SlabCache(self._num_layers, _Geometry(b.n, 0, width), cols)
+                    cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
                     for layer, src in zip(cache.layers, part.layers, strict=True):
                         layer.lazy_initialization(
                             src.keys.new_empty(b.n, *src.keys.shape[1:]),
@@ -1255,14 +799,14 @@ class TorchEngine:
         b.start.copy_(start)
         self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
 
-    def _prefill(self, reqs: list[_Request]) -> tuple[_Rows, _SlabCache, torch.Tensor] | None:
+    def _prefill(self, reqs: list[Request]) -> tuple[Rows, SlabCache, torch.Tensor] | None:
         """Prefill the prompts of `reqs` (each once), sample every sample's first token and retire
         the samples that already finished. Returns the other rows, the prompts' cache and, for each
         row, its prompt's row in that cache (None when every sample finished)."""
         dev = self._device
         lens = [len(r.prompt) for r in reqs]
         width = max(lens)
-        cache = _SlabCache(self._num_layers, _Geometry(len(reqs)), width)
+        cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
         logits, _ = self._prefill_forward([r.prompt for r in reqs], cache)
         self._stats["prefill_tokens"] += sum(lens)
 
@@ -1283,15 +827,15 @@ class TorchEngine:
             frow = [1.0 if r.greedy else 1.0 / p.temperature, p.top_p]
             stops = self.eos_token_ids + [int(t) for t in p.stop_token_ids]
             for i in range(p.n):
-                row[_KEY] = sample_key(r.seed, i)
+                row[I_KEY] = sample_key(r.seed, i)
                 ints_rows.append(list(row))
                 float_rows.append(frow)
                 stop_rows.append(stops)
         width_s = max(len(s) for s in stop_rows)
         stop_rows = [s + [-1] * (width_s - len(s)) for s in stop_rows]
-        cap = max(row[_MAXNEW] for row in ints_rows)
+        cap = max(row[I_MAXNEW] for row in ints_rows)
         nrows = len(row_reqs)
-        inc = _Rows(
+        inc = Rows(
             torch.tensor(ints_rows, dtype=torch.long, device=dev),
             torch.tensor(float_rows, dtype=torch.float32, device=dev),
             torch.tensor(stop_rows, dtype=torch.long, device=dev),
@@ -1309,7 +853,7 @@ class TorchEngine:
             if not keep:
                 return None
             k = torch.tensor(keep, device=dev)
-            inc = _Rows(
+            inc = Rows(
                 inc.ints.index_select(0, k),
                 inc.floats.index_select(0, k),
                 inc.stops.index_select(0, k),
@@ -1322,7 +866,7 @@ class TorchEngine:
             owner = owner.index_select(0, k)
         return inc, cache, owner
 
-    def _sample_and_record(self, b: _Rows, logits: torch.Tensor) -> None:
+    def _sample_and_record(self, b: Rows, logits: torch.Tensor) -> None:
         """Draw the next token of every live row of `b` from `logits`; record it and its log-prob."""
         ngen = b.ngen
         tok, lp = self._sample(b, logits)
@@ -1333,7 +877,7 @@ class TorchEngine:
         ngen += 1
         self._stats["generated_tokens"] += b.n
 
-    def _sample(self, b: _Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, b: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if b.all_greedy:
             tok = logits.argmax(1)
             lse = torch.logsumexp(logits, 1)
@@ -1378,7 +922,7 @@ class TorchEngine:
         j.clamp_(max=self.vocab_size - 1)
         return order.gather(1, j).squeeze(1)
 
-    def _retire_done(self, b: _Rows) -> list[int] | None:
+    def _retire_done(self, b: Rows) -> list[int] | None:
         """Complete the rows that just finished; return them (sorted), or None when none did."""
         hit = (b.stops_v == b.tok.unsqueeze(1)).any(1)
         done = hit | (b.ngen >= b.maxnew)
@@ -1389,7 +933,7 @@ class TorchEngine:
         self._complete(b, rows, ["stop" if hits[i] else "length" for i in rows])
         return rows
 
-    def _complete(self, b: _Rows, rows: list[int], reasons: list[str]) -> None:
+    def _complete(self, b: Rows, rows: list[int], reasons: list[str]) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self._device)
         ngens = b.ngen.index_select(0, idx).tolist()
         toks = b.out_tok_v.index_select(0, idx).tolist()
@@ -1397,7 +941,7 @@ class TorchEngine:
         for j, r in enumerate(rows):
             g = ngens[j]
             comp = Completion(
-                toks[j][:g], lps[j][:g], _expand_versions(b.vchanges[r], g), reasons[j]
+                toks[j][:g], lps[j][:g], expand_versions(b.vchanges[r], g), reasons[j]
             )
             b.reqs[r].finish_sample(b.sample_idx[r], comp)
 
