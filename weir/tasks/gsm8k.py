@@ -6,13 +6,13 @@ Expects ``{data_dir}/train.jsonl`` and ``{data_dir}/test.jsonl`` in the original
 
 from __future__ import annotations
 
-import os
 import random
 import re
 from pathlib import Path
 from typing import Any
 
 from weir.data.sources import read_jsonl
+from weir.tasks.shared_data import candidates, find_data_dir
 
 __all__ = [
     "make_rows",
@@ -32,16 +32,7 @@ _CALCULATOR = re.compile(r"<<[^<>]*>>")
 
 
 def _candidates() -> list[Path]:
-    repo_root = Path(__file__).resolve().parents[2]
-    out = []
-    if os.environ.get(ENV_VAR):
-        out.append(Path(os.environ[ENV_VAR]).expanduser())
-    out += [
-        repo_root.parent / "shared" / "data" / "gsm8k",
-        Path.cwd().parent / "shared" / "data" / "gsm8k",
-        Path.cwd() / "data" / "gsm8k",
-    ]
-    return out
+    return candidates("gsm8k", ENV_VAR)
 
 
 def default_data_dir() -> Path:
@@ -50,19 +41,8 @@ def default_data_dir() -> Path:
 
     Raises FileNotFoundError listing the places tried.
     """
-    tried = _candidates()
-    if os.environ.get(ENV_VAR):  # an explicit setting must be right, not silently skipped
-        env = tried[0]
-        if not env.is_dir():
-            raise FileNotFoundError(f"gsm8k: ${ENV_VAR}={str(env)!r} is not a directory")
-        return env
-    for path in tried:
-        if (path / "test.jsonl").exists() or (path / "train.jsonl").exists():
-            return path
-    raise FileNotFoundError(
-        "gsm8k: no data directory found; tried "
-        + ", ".join(str(p) for p in tried)
-        + f". Put train.jsonl/test.jsonl in one of them, set ${ENV_VAR}, or pass data_dir="
+    return find_data_dir(
+        "gsm8k", ENV_VAR, ("train.jsonl", "test.jsonl"), _candidates(), "train.jsonl/test.jsonl"
     )
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
+
+from weir.tasks.shared_data import candidates, find_data_dir
 
 __all__ = ["make_rows", "sft_rows", "default_data_dir", "load_problems", "REWARD", "DESCRIPTION"]
 
@@ -36,35 +37,14 @@ _FILES = ("HumanEval.jsonl.gz", "HumanEval.jsonl")
 
 
 def _candidates() -> list[Path]:
-    repo_root = Path(__file__).resolve().parents[2]
-    out = []
-    if os.environ.get(ENV_VAR):
-        out.append(Path(os.environ[ENV_VAR]).expanduser())
-    out += [
-        repo_root.parent / "shared" / "data" / "humaneval",
-        Path.cwd().parent / "shared" / "data" / "humaneval",
-        Path.cwd() / "data" / "humaneval",
-    ]
-    return out
+    return candidates("humaneval", ENV_VAR)
 
 
 def default_data_dir() -> Path:
     """The HumanEval directory: ``$WEIR_HUMANEVAL_DIR``, else ``../shared/data/humaneval`` next to
     the repo root, else ``../shared/data/humaneval`` or ``data/humaneval`` under the working
     directory. Raises FileNotFoundError listing the places tried."""
-    tried = _candidates()
-    if os.environ.get(ENV_VAR):
-        if not tried[0].is_dir():
-            raise FileNotFoundError(f"humaneval: ${ENV_VAR}={str(tried[0])!r} is not a directory")
-        return tried[0]
-    for path in tried:
-        if any((path / f).is_file() for f in _FILES):
-            return path
-    raise FileNotFoundError(
-        "humaneval: no data directory found; tried "
-        + ", ".join(str(p) for p in tried)
-        + f". Put HumanEval.jsonl.gz in one of them, set ${ENV_VAR}, or pass data_dir="
-    )
+    return find_data_dir("humaneval", ENV_VAR, _FILES, _candidates(), "HumanEval.jsonl.gz")
 
 
 def load_problems(data_dir: str | Path | None = None) -> list[dict[str, Any]]:
