@@ -32,11 +32,9 @@ from typing import Any
 from weir.engine.base import SamplingParams
 from weir.engine.server_engine import ServerEngine, ServerError
 from weir.engine.servers import (
-    Replica,
     ServerProcess,
     check_installed,
     default_python,
-    free_port,
     model_max_len,
 )
 
@@ -190,50 +188,39 @@ def start_vllm(
     Servers start in parallel; if one does not come up, the others are stopped and the error names
     the log it wrote.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from weir.engine.remote import launch_servers
 
     work = Path(work_dir)
     max_len = model_max_len(model_path, ecfg.max_model_len)
-    replicas: list[Replica] = [Replica(url.rstrip("/")) for url in ecfg.urls]
-    if not replicas:
-        python = ecfg.python or default_python()
+    python = ecfg.python or default_python()
+    if not ecfg.urls:
         check_installed(python, "vllm", INSTALL_HINT)
-        for i in range(ecfg.replicas):
-            port = free_port()
-            proc = ServerProcess(
-                argv=vllm_argv(
-                    python,
-                    model_path,
-                    port,
-                    dtype=dtype,
-                    max_model_len=max_len,
-                    seed=seed + i,
-                    sleep_mode=ecfg.sleep_mode,
-                    extra_args=list(ecfg.extra_args),
-                ),
-                url=f"http://127.0.0.1:{port}",
-                log_path=work / f"vllm-{i}.log",
-                env=vllm_env(ecfg.kv_cache_gb),
-                startup_timeout_s=ecfg.startup_timeout_s,
-            )
-            replicas.append(Replica(proc.url, proc))
-        for r in replicas:
-            r.process.start()
-    try:
-        with ThreadPoolExecutor(len(replicas)) as pool:
-            list(pool.map(lambda r: r.wait_ready(ecfg.startup_timeout_s), replicas))
-    except BaseException:
-        for r in replicas:
-            if r.process is not None:
-                r.process.stop()
-        raise
-    return ServerEngine(
+
+    def make_process(i: int, port: int) -> ServerProcess:
+        return ServerProcess(
+            argv=vllm_argv(
+                python,
+                model_path,
+                port,
+                dtype=dtype,
+                max_model_len=max_len,
+                seed=seed + i,
+                sleep_mode=ecfg.sleep_mode,
+                extra_args=list(ecfg.extra_args),
+            ),
+            url=f"http://127.0.0.1:{port}",
+            log_path=work / f"vllm-{i}.log",
+            env=vllm_env(ecfg.kv_cache_gb),
+            startup_timeout_s=ecfg.startup_timeout_s,
+        )
+
+    return launch_servers(
         VllmBackend(),
-        replicas,
+        ecfg,
+        model_path,
+        work,
+        make_process,
         eos_token_ids=eos_token_ids,
-        max_model_len=max_len,
+        max_len=max_len,
         seed=seed,
-        weights_dir=work / "weights",
-        request_timeout_s=ecfg.request_timeout_s,
-        model_dir=model_path,
     )
