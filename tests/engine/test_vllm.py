@@ -119,8 +119,10 @@ def test_sampled_logprobs_at_temperature_and_seeds(engine, base):
 
 def test_weight_update_mid_generation_versions_and_logprobs(engine, base):
     new = perturbed(base, seed=5)
-    ps = prompts(4, seed=3)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=200, seed=4)
+    # 64 samples x up to 200 tokens: seconds of work for the server, so the pause below lands while
+    # samples are unfinished even when the server runs far ahead of the client reading its streams
+    ps = prompts(8, seed=3)
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=200, seed=4)
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
     start = engine.stats()["generated_tokens"]
