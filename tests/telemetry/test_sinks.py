@@ -101,13 +101,20 @@ def wandb_history(run_dir, steps: int) -> list[dict]:
 
 def read_wandb_log(run_dir) -> list[dict]:
     """History rows from the run's transaction log (.wandb): a LevelDB-style log of 32 KiB
-    blocks of records (crc32, length, type; then a protobuf `Record`)."""
+    blocks of records (crc32, length, type; then a protobuf `Record`). The wandb-core service may
+    still be writing it, so a truncated or half-written last record ends the read early."""
     import json
 
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    paths = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    if not paths:
+        return []
+    (path,) = paths
     data = path.read_bytes()
+    if len(data) < 7:
+        return []
     assert data[:4] == b":W&B"
     pos, block, rows, pending = 7, 32768, [], b""
     while pos + 7 <= len(data):
@@ -119,11 +126,16 @@ def read_wandb_log(run_dir) -> list[dict]:
         if length == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # the writer is still appending this record
+            break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # full record, or the last piece of one
             record = pb.Record()
-            record.ParseFromString(pending)
+            try:
+                record.ParseFromString(pending)
+            except DecodeError:  # a tail the writer has not finished; the caller reads again
+                break
             pending = b""
             if record.WhichOneof("record_type") == "history":
                 rows.append(
