@@ -181,7 +181,7 @@ def train_step(model, device, batch, completions, args) -> dict[str, float | Non
     """One GRPO step of weir's Actor on the generated samples (fp32 masters, bf16 compute)."""
     from weir.config import build_config
     from weir.data.sample import Group, Sample
-    from weir.train.actor import Actor
+    from weir.train.actor import Actor, ActorSettings
     from weir.train.batch import make_batch
 
     groups = []
@@ -219,7 +219,7 @@ def train_step(model, device, batch, completions, args) -> dict[str, float | Non
         ],
     )
     tb = make_batch(groups, version=0)
-    actor = Actor(model, cfg)
+    actor = Actor(model, ActorSettings.from_config(cfg))
     reset_peak(device)
     sync(device)
     t0 = time.perf_counter()

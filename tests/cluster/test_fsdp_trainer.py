@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from weir.config import build_config
 from weir.data.sample import Group, Sample
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.distributed import TrainerGroup, balance
 
@@ -70,7 +70,10 @@ def test_two_ranks_match_one_rank(ray_local, tiny_model_dir, tmp_path, kl):
 
     opts = [*OPTS, f"algo.kl.coef={kl}", "algo.old_logprobs=recompute"]
     cfg = build_config({}, [*opts, "cluster.trainer.ranks=2"])
-    one = Actor(AutoModelForCausalLM.from_pretrained(tiny_model_dir), build_config({}, opts))
+    one = Actor(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        ActorSettings.from_config(build_config({}, opts)),
+    )
     batch = make_batch(_groups(), version=0)
     batch.rollout_logprobs = one.logprobs(one.model, batch) - 0.05  # importance ratios != 1
     cluster = RayCluster(cfg.cluster).start()

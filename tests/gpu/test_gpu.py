@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from tests.toy import toy_groups
 from weir.config import build_config
 from weir.engine.base import SamplingParams
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.packing import response_logprobs
 
@@ -34,7 +34,7 @@ def test_auto_resolves_to_cuda_with_bf16_compute_and_fp32_masters(tiny_model_dir
 
 def test_a_training_step_on_cuda_in_mixed_precision(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA)
-    actor = Actor(model, _cfg("train.lr=1e-6", "train.grad_clip=null"))
+    actor = Actor(model, ActorSettings.from_config(_cfg("train.lr=1e-6", "train.grad_clip=null")))
     assert actor.precision.mixed
     before = [p.detach().clone() for p in model.parameters()]
     stats = actor.train(make_batch(toy_groups(), version=0))
@@ -144,7 +144,10 @@ def test_fsdp2_on_cuda_computes_in_bf16_on_fp32_shards(tiny_model_dir, offload):
     )
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA)
-        actor = ShardedActor(model, _cfg("train.lr=1e-6", f"train.offload_optimizer={offload}"))
+        actor = ShardedActor(
+            model,
+            ActorSettings.from_config(_cfg("train.lr=1e-6", f"train.offload_optimizer={offload}")),
+        )
         seen = []
         model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
             lambda mod, args: seen.append((mod.weight.dtype, mod.weight.device.type))

@@ -147,7 +147,7 @@ def test_torch_engine_trajectory_is_token_exact_and_on_policy(tiny_model_dir):
     """A real engine and a random model (most tokens made stop tokens, so turns end): every turn is followed by the
     observation, the ids line up, and the trainer's log-probs of the sampled tokens equal the
     engine's (possible only if no token was re-encoded)."""
-    from weir.train.actor import Actor
+    from weir.train.actor import Actor, ActorSettings
     from weir.train.batch import make_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -196,7 +196,9 @@ def test_torch_engine_trajectory_is_token_exact_and_on_policy(tiny_model_dir):
 
     batch = make_batch([Group(samples=[sample])], version=0)
     cfg = build_config({}, ["rollout.batch_prompts=1", "rollout.n=1"])
-    trainer_lp = Actor(model, cfg).logprobs(model, batch)[0, : len(sample.response_ids)]
+    trainer_lp = Actor(model, ActorSettings.from_config(cfg)).logprobs(model, batch)[
+        0, : len(sample.response_ids)
+    ]
     m = torch.tensor(sample.loss_mask, dtype=torch.bool)
     engine_lp = torch.tensor(sample.rollout_logprobs)
     assert torch.allclose(trainer_lp[m], engine_lp[m], atol=1e-4)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from weir import algo
 from weir.config import build_config
 from weir.data.sample import Group, Sample
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 
 PROMPT = [3, 30, 23, 15, 27, 1, 4]
@@ -64,7 +64,9 @@ def test_masked_observation_tokens_get_no_gradient_and_do_not_count(tiny_model_d
             "algo.old_logprobs=engine",
         ],
     )
-    actor = Actor(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg)
+    actor = Actor(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), ActorSettings.from_config(cfg)
+    )
     batch = make_batch(_groups(), version=0)
     assert batch.metrics["batch/trained_tokens"] == 4 + 3 + 3 + 4
     # engine log-probs as a rollout records them: the policy's at trained tokens, 0 elsewhere

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from tests.toy import toy_groups
 from weir.config import build_config
 from weir.config.schema import SFTConfig
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.sft import sft
 
@@ -18,7 +18,7 @@ def _actor(model_dir, **overrides) -> Actor:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     opts = [f"{k}={v}" for k, v in overrides.items()]
     cfg = build_config({}, ["rollout.batch_prompts=2", "rollout.n=4", "train.lr=1e-3", *opts])
-    return Actor(model, cfg)
+    return Actor(model, ActorSettings.from_config(cfg))
 
 
 def _seq_logp(actor: Actor, batch) -> torch.Tensor:

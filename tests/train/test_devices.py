@@ -19,7 +19,7 @@ from weir.config import build_config
 from weir.engine.base import SamplingParams
 from weir.engine.torch_engine import TorchEngine
 from weir.loop.components import engine_placement, make_engine
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch, make_batch
 
 
@@ -49,7 +49,7 @@ def test_a_training_step_on_another_device_matches_the_cpu_step(tiny_model_dir, 
         with mode:
             if fake:
                 move_module(model, mode.device)
-            actor = Actor(model, cfg)
+            actor = Actor(model, ActorSettings.from_config(cfg))
             stats = actor.train(make_batch(toy_groups(), version=0))
             grads = torch.cat([p.grad.reshape(-1).to("cpu") for p in model.parameters()])
             weights = torch.cat([p.detach().reshape(-1).to("cpu") for p in model.parameters()])
@@ -68,7 +68,7 @@ def test_a_batch_left_on_the_cpu_is_caught(tiny_model_dir, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with FakeDevice() as fd, pytest.raises(DeviceMismatch):
         move_module(model, fd.device)
-        Actor(model, _cfg()).train(make_batch(toy_groups(), version=0))
+        Actor(model, ActorSettings.from_config(_cfg())).train(make_batch(toy_groups(), version=0))
 
 
 def test_engine_generation_on_another_device_matches_the_cpu(tiny_model_dir, monkeypatch):

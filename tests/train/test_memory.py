@@ -12,7 +12,7 @@ from tests.memory_probe import AllocationPeak
 from tests.toy import toy_groups
 from weir.algo import entropy_from_logits, logprobs_from_logits
 from weir.config import build_config
-from weir.train.actor import Actor, grad_mode, prepare_for_training
+from weir.train.actor import Actor, ActorSettings, grad_mode, prepare_for_training
 from weir.train.batch import make_batch
 from weir.train.packing import response_logprobs
 
@@ -66,7 +66,7 @@ def test_the_trainer_forward_makes_no_full_vocabulary_float32_copy():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     cfg = build_config({}, ["train.compute_dtype=bfloat16", "train.logprob_chunk_tokens=64"])
-    actor = Actor(model, cfg)
+    actor = Actor(model, ActorSettings.from_config(cfg))
     seqs = [list(range(5, 5 + 160))] * 4
     lens = [128] * 4
     with AllocationPeak() as mem:
@@ -130,7 +130,7 @@ def test_actor_with_checkpointing_trains_like_without(tiny_model_dir):
                 "train.grad_clip=null",
             ],
         )
-        actor = Actor(model, cfg)
+        actor = Actor(model, ActorSettings.from_config(cfg))
         actor.train(make_batch(toy_groups(), version=0))
         assert not model.training
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))

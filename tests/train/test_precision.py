@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from tests.fake_device import FakeDevice, OnDevice, move_module
 from tests.toy import toy_groups
 from weir.config import build_config
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.optim import OffloadedAdamW
 from weir.train.precision import Precision
@@ -32,7 +32,9 @@ def _moved_fraction(before: list[torch.Tensor], model: torch.nn.Module) -> float
 
 
 def _step(model, *extra) -> float:
-    actor = Actor(model, _cfg("train.lr=1e-6", "train.grad_clip=null", *extra))
+    actor = Actor(
+        model, ActorSettings.from_config(_cfg("train.lr=1e-6", "train.grad_clip=null", *extra))
+    )
     before = [p.detach().clone() for p in model.parameters()]
     actor.train(make_batch(toy_groups(), version=0))
     return _moved_fraction(before, model), actor
@@ -56,10 +58,12 @@ def test_lr_1e6_updates_survive_on_float32_masters_and_vanish_in_bfloat16(tiny_m
 
 def _train_logps(model_dir, steps: int, *extra) -> tuple[torch.Tensor, list[float]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    actor = Actor(model, _cfg("train.lr=1e-3", *extra))
+    actor = Actor(model, ActorSettings.from_config(_cfg("train.lr=1e-3", *extra)))
     batch = make_batch(toy_groups(), version=0)
     losses = [actor.train(batch)["train/loss"] for _ in range(steps)]
-    reference = Actor(model, _cfg("train.compute_dtype=float32"))  # measure both in float32
+    reference = Actor(
+        model, ActorSettings.from_config(_cfg("train.compute_dtype=float32"))
+    )  # measure both in float32
     return reference.logprobs(model, batch) * batch.response_mask, losses
 
 
@@ -103,7 +107,12 @@ def test_offloaded_adamw_matches_adamw_and_keeps_its_state_on_the_host(tiny_mode
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         with FakeDevice() as fd:
             move_module(model, fd.device)
-            actor = Actor(model, _cfg("train.lr=1e-3", f"train.offload_optimizer={offload}"))
+            actor = Actor(
+                model,
+                ActorSettings.from_config(
+                    _cfg("train.lr=1e-3", f"train.offload_optimizer={offload}")
+                ),
+            )
             batch = make_batch(toy_groups(), version=0)
             for _ in range(2):
                 actor.train(batch)

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.toy import toy_groups
 from weir.config import build_config
+from weir.train.actor import ActorSettings
 from weir.train.batch import make_batch
 from weir.train.distributed import ShardedActor, free_port
 
@@ -30,7 +31,7 @@ def test_fsdp2_computes_in_bfloat16_on_float32_shards(tiny_model_dir, one_rank_g
         {},
         ["rollout.batch_prompts=2", "rollout.n=4", "train.lr=1e-6", "train.compute_dtype=bfloat16"],
     )
-    actor = ShardedActor(model, cfg)
+    actor = ShardedActor(model, ActorSettings.from_config(cfg))
     assert not actor.precision.mixed  # no autocast on top of FSDP2's own casts
     seen = []
     layer = model.model.layers[0].mlp.down_proj

@@ -111,7 +111,11 @@ def _check_chunk(chunk_size: int) -> int:
 
 
 def entropy_from_logits(
-    logits: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0
+    logits: Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    temperature: float = 1.0,
+    allow_nonfinite: bool = False,
 ) -> Tensor:
     """Entropy of the categorical distribution ``softmax(logits / temperature)`` per row.
 
@@ -123,6 +127,8 @@ def entropy_from_logits(
         logits: [..., V] float logits.
         chunk_size: rows per chunk (default 512).
         temperature: sampling temperature (> 0).
+        allow_nonfinite: return non-finite values instead of raising (see
+            :func:`logprobs_from_logits`).
 
     Returns:
         [...] float32 (float64 for float64 logits).
@@ -140,7 +146,7 @@ def entropy_from_logits(
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     out = _Entropy.apply(flat, chunk_size, temperature)
-    if out.numel() and not bool(torch.isfinite(out.detach()).all()):
+    if not allow_nonfinite and out.numel() and not bool(torch.isfinite(out.detach()).all()):
         raise ValueError("logits: some rows give a non-finite entropy (NaN logits or all -inf)")
     return out.reshape(lead)
 
@@ -151,6 +157,7 @@ def logprobs_from_logits(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     temperature: float = 1.0,
+    allow_nonfinite: bool = False,
 ) -> Tensor:
     """Log-probability of ``token_ids`` under ``softmax(logits / temperature)``.
 
@@ -164,6 +171,8 @@ def logprobs_from_logits(
         token_ids: [N] (or [...]) integer ids in ``[0, V)``.
         chunk_size: rows per chunk (default 512).
         temperature: sampling temperature (> 0); use the engine's to match its log-probs.
+        allow_nonfinite: return non-finite values instead of raising; the trainer contains them
+            itself (it leaves the sample out, or skips the update, and counts it).
 
     Returns:
         [N] (or [...]) float32 log-probs (float64 for float64 logits).
@@ -188,7 +197,7 @@ def logprobs_from_logits(
         raise ValueError(f"token_ids: expected ids in [0, {V}) (the vocab size of logits)")
     flat = logits.reshape(-1, V)
     out = _TokenLogprobs.apply(flat, ids, chunk_size, temperature)
-    if out.numel() and not bool(torch.isfinite(out.detach()).all()):
+    if not allow_nonfinite and out.numel() and not bool(torch.isfinite(out.detach()).all()):
         raise ValueError(
             "logits: some rows give a non-finite log-prob (NaN logits, or -inf at the token id)"
         )

@@ -32,7 +32,7 @@ from weir.rollout.rewards import REWARDS, get_reward
 from weir.rollout.single_turn import RolloutContext
 from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
 
@@ -275,7 +275,7 @@ def build(
         ray_parts = build_ray(cfg, run_dir, run_model_path(cfg, run_dir))
         trainer, engine = ray_parts.trainer, ray_parts.router
     else:
-        trainer = Actor(model, cfg)
+        trainer = Actor(model, ActorSettings.from_config(cfg))
         if cfg.engine.type == "torch":
             engine = make_engine(cfg, model, tokenizer)
             if cfg.model.selfcheck:

@@ -10,20 +10,55 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from weir import algo
 from weir.config import Config
+from weir.config.schema import AlgoConfig, TrainConfig
 from weir.telemetry.timeline import span
 from weir.train.batch import TrainBatch
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import choose_layout, micro_batches, response_logprobs
 from weir.train.precision import Precision
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """What the actor reads from a run's config: its own sections plus three derived numbers.
+
+    temperature: the sampling temperature T; log-probs are ``log_softmax(logits / T)`` as the
+        engine reports them.
+    total_steps: optimizer steps of the whole run (for the learning-rate schedule).
+    max_response_tokens: the most response tokens one sample can have, the constant normaliser
+        of Dr.GRPO's ``seq-mean-token-sum-norm``: ``rollout.max_new_tokens`` for one turn,
+        ``agent.max_tokens`` for multi-turn episodes (all turns and observations together).
+        ``algo.loss_options.max_len`` overrides it.
+    """
+
+    train: TrainConfig
+    algo: AlgoConfig
+    temperature: float = 1.0
+    total_steps: int = 1
+    max_response_tokens: int = 256
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ActorSettings:
+        multi_turn = cfg.agent.env is not None or "multi_turn" in cfg.rollout.function
+        return cls(
+            train=cfg.train,
+            algo=cfg.algo,
+            temperature=cfg.rollout.temperature or 1.0,
+            total_steps=max(1, cfg.run.steps * cfg.train.mini_batches * cfg.train.epochs),
+            max_response_tokens=cfg.agent.max_tokens if multi_turn else cfg.rollout.max_new_tokens,
+        )
 
 
 class Actor:
@@ -32,14 +67,17 @@ class Actor:
     offload_in_optimizer = True
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
-        self.cfg = cfg
-        self.tcfg, self.acfg = cfg.train, cfg.algo
+    def __init__(self, model: torch.nn.Module, settings: ActorSettings) -> None:
+        self.settings = settings
+        self.tcfg, self.acfg = settings.train, settings.algo
+        self.loss_options = dict(self.acfg.loss_options)
+        self.max_len = int(self.loss_options.pop("max_len", settings.max_response_tokens))
+        self._warned_max_len = False
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
         self.layout = choose_layout(model, self.tcfg.packing)
-        self.temperature = cfg.rollout.temperature or 1.0
+        self.temperature = settings.temperature
         self.optimizer = make_optimizer(
             model.parameters(),
             lr=self.tcfg.lr,
@@ -47,11 +85,10 @@ class Actor:
             weight_decay=self.tcfg.weight_decay,
             offload=self.tcfg.offload_optimizer and self.offload_in_optimizer,
         )
-        total = max(1, cfg.run.steps * self.tcfg.mini_batches * self.tcfg.epochs)
         self.scheduler = make_schedule(
             self.optimizer,
             warmup_steps=self.tcfg.warmup_steps,
-            total_steps=total,
+            total_steps=settings.total_steps,
             kind=self.tcfg.schedule,
             min_lr_ratio=self.tcfg.min_lr_ratio,
         )
@@ -70,6 +107,7 @@ class Actor:
         else:
             self.kl_ctl = algo.FixedKLController(kl.coef)
         self.skipped_updates = 0
+        self.skipped_steps = 0
         self.updates = 0
         self._check_options()
 
@@ -97,9 +135,9 @@ class Actor:
             agg=self.acfg.loss_agg,
             num_tokens=2.0,
             num_seqs=2.0,
-            max_len=self.cfg.rollout.max_new_tokens,
+            max_len=self.max_len,
             behavior_logp=probe if self.acfg.policy_loss == "decoupled_ppo" else None,
-            **self.acfg.loss_options,
+            **self.loss_options,
         )
 
     # -- data-parallel hooks: one process trains everything; weir.train.distributed overrides them --
@@ -189,11 +227,25 @@ class Actor:
     def _train(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
-        mask, stats = batch.response_mask, {}
+        stats: dict[str, float] = {}
         old = self.logprobs(self.model, batch) if self.needs_recompute else batch.rollout_logprobs
+        ref = self.logprobs(self.ref, batch) if self.ref is not None else None
+        batch, old, ref, dropped = self._drop_nonfinite(batch, old, ref)
+        mask = batch.response_mask
+        stats["train/nonfinite_logprob_samples"] = float(dropped)
+        if not mask.any():  # every sample had a non-finite log-prob: skip the step, counted
+            self.skipped_steps += 1
+            return {
+                **stats,
+                "train/skipped_steps": float(self.skipped_steps),
+                "time/train": time.perf_counter() - start,
+            }
         if self.needs_recompute:
             stats.update(self._mismatch(old, batch))
-        ref = self.logprobs(self.ref, batch) if self.ref is not None else None
+        elif self.tcfg.mini_batches > 1:
+            # later mini-batches are trained after earlier updates; measure every row before any
+            stats.update(self._mismatch(self.logprobs(self.model, batch), batch))
+        self._check_max_len(mask)
         token_rewards, weights = None, None
         if ref is not None:
             kind = self.acfg.kl.estimator
@@ -239,9 +291,8 @@ class Actor:
                 len(batch), generator=torch.Generator().manual_seed(self.updates + epoch)
             )
             for i, mb in enumerate(order.chunk(self.tcfg.mini_batches)):
-                first = (
-                    epoch == 0 and i == 0
-                )  # weights not yet updated: trainer logp vs engine logp
+                # the one forward that runs before any update measures the engine/trainer mismatch
+                first = epoch == 0 and i == 0 and self.tcfg.mini_batches == 1
                 metrics = self._update(
                     batch,
                     mb.sort().values.tolist(),
@@ -270,6 +321,7 @@ class Actor:
         finite = [g for g in grad_norms if math.isfinite(g)]
         stats["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         stats["train/skipped_updates"] = float(self.skipped_updates)
+        stats["train/skipped_steps"] = float(self.skipped_steps)
         stats["train/lr"] = self.scheduler.get_last_lr()[0]
         elapsed = time.perf_counter() - start
         stats["time/train"] = elapsed
@@ -331,6 +383,13 @@ class Actor:
                     pad_to=width,
                 )
             m = mask[idx]
+            if not self._finite_forward(out, m):
+                # an overflow in this forward: backward a NaN loss, so that the gradient norm is
+                # NaN on every rank (collectives stay in step) and `_update` skips this update
+                # and counts it in train/skipped_updates, instead of a check stopping the run
+                with span("backward", cat="train"):
+                    (out.logprobs.nan_to_num().sum() * float("nan")).backward()
+                continue
             kl_in_loss = ref is not None and not self.acfg.kl.as_reward
             loss, pg = algo.compute_policy_loss(
                 self.loss_fn,
@@ -341,7 +400,7 @@ class Actor:
                 agg=self.acfg.loss_agg,
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
-                max_len=self.cfg.rollout.max_new_tokens,
+                max_len=self.max_len,
                 behavior_logp=batch.rollout_logprobs[idx]
                 if self.acfg.policy_loss == "decoupled_ppo"
                 else None,
@@ -351,7 +410,7 @@ class Actor:
                 kl_kind=self.acfg.kl.estimator,
                 entropy=out.entropy,
                 entropy_coef=self.acfg.entropy_coef,
-                **self.acfg.loss_options,
+                **self.loss_options,
             )
             with span("backward", cat="train"):
                 loss.backward()
@@ -373,6 +432,58 @@ class Actor:
                 self._mismatch_sums[0] += diff.abs().sum().item()
                 self._mismatch_sums[1] += policy.sum().item()
 
+    @staticmethod
+    def _finite_forward(out, mask: torch.Tensor) -> bool:
+        """Whether the trainer's log-probs (and entropy) are finite on every trained token."""
+        m = mask.bool()
+        ok = torch.isfinite(out.logprobs.detach())[m].all()
+        if out.entropy is not None:
+            ok &= torch.isfinite(out.entropy.detach())[m].all()
+        return bool(ok.item())
+
+    def _drop_nonfinite(
+        self, batch: TrainBatch, old: torch.Tensor, ref: torch.Tensor | None
+    ) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None, int]:
+        """Leave out (mask) every sample with a non-finite log-prob on a trained token, from the
+        engine, the trainer or the reference; returns the cleaned batch, old and ref log-probs and
+        how many samples were left out. One bad sample costs that sample, not the run."""
+        m = batch.response_mask.bool()
+        bad = (~torch.isfinite(old) & m).any(1) | (~torch.isfinite(batch.rollout_logprobs) & m).any(
+            1
+        )
+        if ref is not None:
+            bad |= (~torch.isfinite(ref) & m).any(1)
+        n = int(bad.sum().item())
+        if n == 0:
+            return batch, old, ref, 0
+        keep = (~bad).unsqueeze(1)
+
+        def clean(t: torch.Tensor) -> torch.Tensor:
+            return torch.where(keep & torch.isfinite(t), t, 0.0)
+
+        old_is_rollout = old is batch.rollout_logprobs
+        batch = dataclasses.replace(
+            batch,
+            response_mask=batch.response_mask * keep,
+            rollout_logprobs=clean(batch.rollout_logprobs),
+        )
+        old = batch.rollout_logprobs if old_is_rollout else clean(old)
+        return batch, old, None if ref is None else clean(ref), n
+
+    def _check_max_len(self, mask: torch.Tensor) -> None:
+        """Warn once when a sample trains more tokens than the Dr.GRPO normaliser assumes."""
+        if self.acfg.loss_agg != "seq-mean-token-sum-norm" or self._warned_max_len:
+            return
+        longest = int(mask.sum(1).max().item())
+        if longest > self.max_len:
+            self._warned_max_len = True
+            warnings.warn(
+                f"algo.loss_agg=seq-mean-token-sum-norm: a sample trains {longest} tokens, more than "
+                f"the normaliser max_len={self.max_len}; set algo.loss_options.max_len to the "
+                "longest possible response",
+                stacklevel=2,
+            )
+
     def _mismatch(self, trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         """How far the engine's log-probs are from the trainer's on the same tokens (before the update)."""
         m = batch.response_mask * (batch.versions >= 0)
@@ -393,6 +504,7 @@ class Actor:
             "kl_coef": self.kl_ctl.value,
             "updates": self.updates,
             "skipped_updates": self.skipped_updates,
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -400,6 +512,7 @@ class Actor:
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.value = state["kl_coef"]
         self.updates, self.skipped_updates = state["updates"], state["skipped_updates"]
+        self.skipped_steps = state.get("skipped_steps", 0)
 
     def weights(self):
         """Named parameters to push to the engines."""

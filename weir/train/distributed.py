@@ -44,7 +44,7 @@ from torch.distributed.fsdp import (
 )
 
 from weir.config import Config
-from weir.train.actor import Actor
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.packing import micro_batches
 from weir.train.precision import Precision, setup_device
@@ -102,18 +102,18 @@ class ShardedActor(Actor):
 
     offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
 
-    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
+    def __init__(self, model: torch.nn.Module, settings: ActorSettings) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # NCCL reduces tensors on the GPU, gloo on the CPU
         nccl = dist.get_backend() == "nccl"
         self._comm = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # the reference must be copied before `model` is sharded in place
-        self._initial = copy.deepcopy(model) if cfg.algo.kl.coef > 0 else None
+        self._initial = copy.deepcopy(model) if settings.algo.kl.coef > 0 else None
         device = next(model.parameters()).device
-        self._compute = Precision.from_config(cfg.train, device=device).compute_dtype
-        self._offload = cfg.train.offload_optimizer
+        self._compute = Precision.from_config(settings.train, device=device).compute_dtype
+        self._offload = settings.train.offload_optimizer
         shard_model(model, compute_dtype=self._compute, offload=self._offload)
-        super().__init__(model, cfg)
+        super().__init__(model, settings)
         self._initial = None
 
     def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -215,7 +215,7 @@ class TrainerRank:
         )
         torch.manual_seed(self.cfg.run.seed)
         model, _ = load_model(self.model_path, precision.param_dtype, self.device)
-        self.actor = ShardedActor(model, self.cfg)
+        self.actor = ShardedActor(model, ActorSettings.from_config(self.cfg))
         return self.rank
 
     def train(self, batch: TrainBatch) -> dict[str, float]:

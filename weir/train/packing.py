@@ -139,11 +139,11 @@ def _token_stats(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     t = temperature if temperature > 0 else 1.0
-    logp = logprobs_from_logits(logits, targets, chunk_size, temperature=t)
+    logp = logprobs_from_logits(logits, targets, chunk_size, temperature=t, allow_nonfinite=True)
     ent = None
     if with_entropy:
         src = logits if entropy_grad else logits.detach()
-        ent = entropy_from_logits(src, chunk_size, temperature=t)
+        ent = entropy_from_logits(src, chunk_size, temperature=t, allow_nonfinite=True)
     return logp, ent
 
 
