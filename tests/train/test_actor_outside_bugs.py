@@ -119,3 +119,18 @@ def test_a_nonfinite_trainer_forward_skips_the_update_instead_of_stopping(tiny_m
     hook.remove()
     assert stats["train/skipped_updates"] == 1.0
     assert all(torch.equal(before[n], p) for n, p in actor.model.named_parameters())
+
+
+@pytest.mark.parametrize("choice", ["sampled", "full"])
+def test_corrections_weigh_against_the_configured_behaviour_logprobs(tiny_model_dir, choice):
+    """Truncated sampling kept mass e^-0.4 of every step: the sampled log-prob is the full one + 0.4,
+    so token TIS weights are pi/mu = exp(-0.4) against `sampled` and 1 against `full`."""
+    actor = _actor(
+        tiny_model_dir, "algo.correction.mode=token_tis", f"algo.behavior_logprobs={choice}"
+    )
+    batch = make_batch(toy_groups(), version=0)
+    batch.rollout_logprobs = actor.logprobs(actor.model, batch)
+    batch.behavior_logprobs = (batch.rollout_logprobs + 0.4) * batch.response_mask
+    stats = actor.train(batch)
+    expected = math.exp(-0.4) if choice == "sampled" else 1.0
+    assert stats["correction/ratio_mean"] == pytest.approx(expected, rel=1e-4)

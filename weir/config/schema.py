@@ -183,6 +183,12 @@ class AlgoConfig(Section):
     old_logprobs: Literal["recompute", "engine"] = "recompute"
     """Old-policy log-probs: recomputed by the trainer before the update, or the engine's."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    behavior_logprobs: Literal["sampled", "full"] = "sampled"
+    """The behaviour policy that algo.correction and decoupled PPO weigh against when
+    rollout.top_k / rollout.top_p truncate sampling: `sampled`, the log-probs under the truncated,
+    renormalised distribution the engine drew each token from (the distribution that produced the
+    data), or `full`, the full-vocabulary log-probs (off by log of the kept mass per token; a warning
+    says so). The two are equal when no filter applies."""
 
 
 class TrainConfig(Section):
@@ -563,7 +569,22 @@ class Config(Section):
             )
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
+        self._warn_behavior_logprobs()
         return self
+
+    def _warn_behavior_logprobs(self) -> None:
+        """Corrections against the full-vocabulary log-probs of a truncated sampler are biased."""
+        r, a = self.rollout, self.algo
+        truncated = r.top_p < 1.0 or r.top_k > 0
+        weighs = a.correction.mode != "none" or a.policy_loss == "decoupled_ppo"
+        if truncated and weighs and a.behavior_logprobs == "full":
+            warnings.warn(
+                f"algo.behavior_logprobs=full with rollout.top_p={r.top_p} / top_k={r.top_k}: "
+                "the corrections weigh against a distribution the engine did not sample from; "
+                "set algo.behavior_logprobs=sampled",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _migrate_model_dtype(self) -> None:
         """The old `model.dtype` set one dtype for everything; it still does, with a warning."""

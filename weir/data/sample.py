@@ -21,7 +21,10 @@ class Status(str, enum.Enum):
 class Sample:
     """One response to one prompt, with everything the trainer needs per token.
 
-    Invariant: `loss_mask`, `rollout_logprobs` and `versions` have one entry per response token.
+    Invariant: `loss_mask`, `rollout_logprobs` and `versions` (and `behavior_logprobs` when set) have
+    one entry per response token. `rollout_logprobs` are the engine's full-vocabulary log-probs;
+    `behavior_logprobs` those under the top-k/top-p truncated distribution actually sampled from
+    (None when no filter applied: then both are the same).
     """
 
     prompt_ids: list[int]
@@ -39,6 +42,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     prompt_text: str = ""
     response_text: str = ""
+    behavior_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -53,7 +57,10 @@ class Sample:
     def check(self) -> None:
         """Raise ValueError if the per-token lists disagree in length with `response_ids`."""
         n = len(self.response_ids)
-        for name in ("loss_mask", "rollout_logprobs", "versions"):
+        names = ["loss_mask", "rollout_logprobs", "versions"]
+        if self.behavior_logprobs is not None:
+            names.append("behavior_logprobs")
+        for name in names:
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}; "

@@ -12,6 +12,11 @@ raw log-probs). Top-k and top-p only restrict which tokens may be *sampled*; the
 the reported log-prob. The trainer therefore recomputes log-probs as ``log_softmax(logits / T)`` with
 the same temperature and no top-k/top-p, and the two agree up to floating point.
 
+When top-k or top-p truncate the distribution, the token was drawn from the renormalised truncated
+distribution, and an engine that can says so: ``sampled_logprobs[t] = logprobs[t] - log Z_t`` with
+``Z_t`` the probability mass the filters kept at step t. That is the behaviour policy importance
+corrections (TIS, decoupled PPO) must weigh against (``algo.behavior_logprobs``).
+
 Versions
 --------
 Every generated token records the engine's weight ``version`` at the moment it was produced. A
@@ -73,12 +78,15 @@ class Completion:
 
     finish_reason: "stop" (a stop/EOS token was emitted), "length" (max_new_tokens or the context
     limit) or "abort" (ended by `abort()`; the tokens so far are kept).
+    sampled_logprobs: log-probs under the top-k/top-p truncated distribution the tokens were drawn
+    from; None when no filter applied (then they equal `logprobs`).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    sampled_logprobs: list[float] | None = None
 
 
 @runtime_checkable

@@ -102,12 +102,14 @@ class Rows:
     ints[:, I_KEY]    random stream key                             ints[:, I_FILT]  1 if top-k/p apply
     floats[:, F_INVT] 1 / temperature (1 when greedy)              floats[:, F_TOPP] top-p
     stops  [rows, S] stop ids (eos included), padded with -1
-    out_tok / out_lp [rows, C]  generated tokens and their log-probs
+    out_tok / out_lp [rows, C]  generated tokens and their log-probs (full vocabulary)
+    out_lz [rows, C]  log of the probability mass top-k/top-p kept at each step (0 when unfiltered):
+                      the token's log-prob under the distribution it was drawn from is out_lp - out_lz
     """
 
-    def __init__(self, ints, floats, stops, out_tok, out_lp, reqs, sample_idx, vchanges):
+    def __init__(self, ints, floats, stops, out_tok, out_lp, out_lz, reqs, sample_idx, vchanges):
         self.ints, self.floats, self.stops = ints, floats, stops
-        self.out_tok, self.out_lp = out_tok, out_lp
+        self.out_tok, self.out_lp, self.out_lz = out_tok, out_lp, out_lz
         self.reqs: list[Request] = reqs
         self.sample_idx: list[int] = sample_idx
         self.vchanges: list[list[tuple[int, int]]] = vchanges
@@ -124,10 +126,11 @@ class Rows:
         self.ngen, self.maxnew, self.key = ints[:, I_NGEN], ints[:, I_MAXNEW], ints[:, I_KEY]
         self.top_k = ints[:, I_TOPK]
         self.inv_t, self.top_p = self.floats[:n, F_INVT], self.floats[:n, F_TOPP]
-        self.stops_v, self.out_tok_v, self.out_lp_v = (
+        self.stops_v, self.out_tok_v, self.out_lp_v, self.out_lz_v = (
             self.stops[:n],
             self.out_tok[:n],
             self.out_lp[:n],
+            self.out_lz[:n],
         )
         self.all_greedy = n > 0 and self.n_greedy == n
         if self.n_greedy and not self.all_greedy:
@@ -159,6 +162,7 @@ class RunningBatch(Rows):
             torch.zeros(0, 2, device=device),
             torch.zeros(0, 1, dtype=torch.long, device=device),
             torch.zeros(0, 1, dtype=torch.long, device=device),
+            torch.zeros(0, 1, device=device),
             torch.zeros(0, 1, device=device),
             [],
             [],
@@ -310,6 +314,7 @@ class RunningBatch(Rows):
         self.stops = ensure_capacity(self.stops, need, inc.stops.shape[1], -1)
         self.out_tok = ensure_capacity(self.out_tok, need, inc.out_tok.shape[1], 0)
         self.out_lp = ensure_capacity(self.out_lp, need, inc.out_lp.shape[1], 0.0)
+        self.out_lz = ensure_capacity(self.out_lz, need, inc.out_lz.shape[1], 0.0)
         self.ints[b:need] = inc.ints[:m]
         if start_shift:
             self.ints[b:need, I_START] += start_shift
@@ -318,6 +323,7 @@ class RunningBatch(Rows):
         self.stops[b:need, : inc.stops.shape[1]] = inc.stops[:m]
         self.out_tok[b:need, : inc.out_tok.shape[1]] = inc.out_tok[:m]
         self.out_lp[b:need, : inc.out_lp.shape[1]] = inc.out_lp[:m]
+        self.out_lz[b:need, : inc.out_lz.shape[1]] = inc.out_lz[:m]
         self.reqs += inc.reqs[:m]
         self.sample_idx += inc.sample_idx[:m]
         self.vchanges += inc.vchanges[:m]
@@ -343,7 +349,7 @@ class RunningBatch(Rows):
         if holes:
             h = torch.tensor(holes, device=self.device)
             mv = torch.tensor(movers, device=self.device)
-            for t in (self.ints, self.floats, self.stops, self.out_tok, self.out_lp):
+            for t in (self.ints, self.floats, self.stops, self.out_tok, self.out_lp, self.out_lz):
                 t.index_copy_(0, h, t.index_select(0, mv))
             for layer in self.cache.layers if self.cache is not None else ():
                 for t in self.cache.used(layer):

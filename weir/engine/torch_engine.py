@@ -841,6 +841,7 @@ class TorchEngine:
             torch.tensor(stop_rows, dtype=torch.long, device=dev),
             torch.zeros(nrows, cap, dtype=torch.long, device=dev),
             torch.zeros(nrows, cap, dtype=torch.float32, device=dev),
+            torch.zeros(nrows, cap, dtype=torch.float32, device=dev),
             row_reqs,
             sample_idx,
             [[(0, self.version)] for _ in range(nrows)],
@@ -859,6 +860,7 @@ class TorchEngine:
                 inc.stops.index_select(0, k),
                 inc.out_tok.index_select(0, k),
                 inc.out_lp.index_select(0, k),
+                inc.out_lz.index_select(0, k),
                 [row_reqs[i] for i in keep],
                 [sample_idx[i] for i in keep],
                 [inc.vchanges[i] for i in keep],
@@ -867,30 +869,39 @@ class TorchEngine:
         return inc, cache, owner
 
     def _sample_and_record(self, b: Rows, logits: torch.Tensor) -> None:
-        """Draw the next token of every live row of `b` from `logits`; record it and its log-prob."""
+        """Draw the next token of every live row of `b` from `logits`; record it, its log-prob and
+        (top-k/top-p rows) the log of the probability mass the filters kept."""
         ngen = b.ngen
-        tok, lp = self._sample(b, logits)
+        tok, lp, lz = self._sample(b, logits)
         idx = ngen.unsqueeze(1)
         b.out_tok_v.scatter_(1, idx, tok.unsqueeze(1))
         b.out_lp_v.scatter_(1, idx, lp.unsqueeze(1))
+        if lz is not None:
+            b.out_lz_v.scatter_(1, idx, lz.unsqueeze(1))
         b.tok.copy_(tok)
         ngen += 1
         self._stats["generated_tokens"] += b.n
 
-    def _sample(self, b: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, b: Rows, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens, their full-vocabulary log-probs ``log_softmax(logits / T)[tok]`` and, when some
+        row is filtered, the log of the mass top-k/top-p kept per row (0 for unfiltered rows)."""
         if b.all_greedy:
             tok = logits.argmax(1)
             lse = torch.logsumexp(logits, 1)
-            return tok, logits.gather(1, tok.unsqueeze(1)).squeeze(1).sub_(lse)
+            return tok, logits.gather(1, tok.unsqueeze(1)).squeeze(1).sub_(lse), None
         scaled = logits.mul_(b.inv_t.unsqueeze(1))
         lse = torch.logsumexp(scaled, 1, keepdim=True)
         u = stream_uniform(b.key, b.ngen)
         cdf = (scaled - lse).exp_().cumsum_(1)
         tok = torch.searchsorted(cdf, u.unsqueeze(1).mul_(cdf[:, -1:])).squeeze(1)
         tok.clamp_(max=self.vocab_size - 1)
+        lz = None
         if b.filt_idx is not None:
             f = b.filt_idx
-            tok[f] = self._sample_filtered(
+            lz = torch.zeros_like(u)
+            tok[f], lz[f] = self._sample_filtered(
                 scaled.index_select(0, f),
                 lse.index_select(0, f),
                 u.index_select(0, f),
@@ -901,7 +912,7 @@ class TorchEngine:
             g = b.greedy_idx
             tok[g] = scaled.index_select(0, g).argmax(1)  # inv_t is 1 for greedy rows
         lp = scaled.gather(1, tok.unsqueeze(1)).sub_(lse).squeeze(1)
-        return tok, lp
+        return tok, lp, lz
 
     def _sample_filtered(
         self,
@@ -910,7 +921,9 @@ class TorchEngine:
         u: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens drawn from the top-k / top-p truncated, renormalised distribution, and the log
+        of the probability mass the truncation kept, ``log sum_{v in kept} p_v``."""
         values, order = scaled.sort(dim=1, descending=True, stable=True)
         probs = (values - lse).exp_()
         probs.mul_(self._vocab_col.unsqueeze(0) < top_k.unsqueeze(1))  # top-k
@@ -920,7 +933,7 @@ class TorchEngine:
         cdf = probs.cumsum_(1)
         j = torch.searchsorted(cdf, u.unsqueeze(1).mul_(cdf[:, -1:]))
         j.clamp_(max=self.vocab_size - 1)
-        return order.gather(1, j).squeeze(1)
+        return order.gather(1, j).squeeze(1), cdf[:, -1].log()
 
     def _retire_done(self, b: Rows) -> list[int] | None:
         """Complete the rows that just finished; return them (sorted), or None when none did."""
@@ -938,11 +951,16 @@ class TorchEngine:
         ngens = b.ngen.index_select(0, idx).tolist()
         toks = b.out_tok_v.index_select(0, idx).tolist()
         lps = b.out_lp_v.index_select(0, idx).tolist()
+        lzs = b.out_lz_v.index_select(0, idx).tolist() if b.n_filtered else None
         for j, r in enumerate(rows):
             g = ngens[j]
             comp = Completion(
                 toks[j][:g], lps[j][:g], expand_versions(b.vchanges[r], g), reasons[j]
             )
+            if lzs is not None and b.reqs[r].filtered:
+                comp.sampled_logprobs = [
+                    lp - lz for lp, lz in zip(lps[j][:g], lzs[j][:g], strict=True)
+                ]
             b.reqs[r].finish_sample(b.sample_idx[r], comp)
 
     def _decode_step(self) -> None:

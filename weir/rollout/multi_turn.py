@@ -109,6 +109,8 @@ async def run_episode(
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
+    behavior: list[float] = []  # under the truncated distribution sampled from (top-k/top-p)
+    truncated_sampling = False
     versions: list[int] = []
     turns: list[dict[str, Any]] = []
     env_rewards: list[float] = []
@@ -131,6 +133,8 @@ async def run_episode(
             )
             (c,) = await ctx.engine.generate(prompt_ids + ids, params)
             _append(ids, mask, logprobs, versions, c)
+            behavior += c.logprobs if c.sampled_logprobs is None else c.sampled_logprobs
+            truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             turns.append({"role": "assistant", "tokens": len(c.token_ids)})
             if c.finish_reason != "stop":
@@ -154,6 +158,7 @@ async def run_episode(
             ids += obs_ids
             mask += [0] * len(obs_ids)
             logprobs += [0.0] * len(obs_ids)
+            behavior += [0.0] * len(obs_ids)
             versions += [-1] * len(obs_ids)
             turns.append({"role": "observation", "tokens": len(obs_ids)})
     except _EnvFailure as e:  # the environment must not end the run; engine errors propagate
@@ -169,6 +174,7 @@ async def run_episode(
         response_ids=ids,
         loss_mask=mask,
         rollout_logprobs=logprobs,
+        behavior_logprobs=behavior if truncated_sampling else None,
         versions=versions,
         status=status,
         error=error,

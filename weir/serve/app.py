@@ -74,6 +74,7 @@ class Choice:
     versions: list[int]
     finish_reason: str  # weir's: stop | length | abort
     text: str
+    sampled_logprobs: list[float] | None = None  # under top-k/top-p truncation (see engine.base)
 
 
 class BodyLimit:
@@ -208,12 +209,15 @@ class ServerState:
             list(c.versions),
             c.finish_reason,
         )
+        slps = None if c.sampled_logprobs is None else list(c.sampled_logprobs)
         if stops:
             cut = cut_at_stop(self.tokenizer, ids, stops)
             if cut is not None:
                 keep, text = cut
-                return Choice(ids[:keep], lps[:keep], vs[:keep], "stop", text)
-        return Choice(ids, lps, vs, finish, self.tokenizer.decode(ids, skip_special_tokens=True))
+                kept = None if slps is None else slps[:keep]
+                return Choice(ids[:keep], lps[:keep], vs[:keep], "stop", text, kept)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Choice(ids, lps, vs, finish, text, slps)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -372,6 +376,7 @@ def create_app(state: ServerState) -> FastAPI:
                         prompt_ids=prompt.ids,
                         response_ids=ch.token_ids,
                         logprobs=ch.logprobs,
+                        sampled_logprobs=ch.sampled_logprobs,
                         versions=ch.versions,
                         finish_reason=ch.finish_reason,
                         link=prompt.link,
@@ -397,6 +402,7 @@ def create_app(state: ServerState) -> FastAPI:
                         prompt_ids=ids,
                         response_ids=ch.token_ids,
                         logprobs=ch.logprobs,
+                        sampled_logprobs=ch.sampled_logprobs,
                         versions=ch.versions,
                         finish_reason=ch.finish_reason,
                         link=link,

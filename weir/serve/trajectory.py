@@ -38,6 +38,7 @@ class Turn:
     link: str = "start"  # "start" (first turn), "extend", or "new: <why>" (a new segment)
     messages: list[dict[str, Any]] | None = None  # chat history the client sent, if a chat call
     output: dict[str, Any] = field(default_factory=dict)  # what the client received
+    sampled_logprobs: list[float] | None = None  # under top-k/top-p truncation (see engine.base)
 
     @property
     def context(self) -> list[int]:
@@ -66,6 +67,7 @@ def segment_sample(turns: list[Turn], **fields: Any) -> Sample:
     response: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
+    behavior: list[float] = []
     versions: list[int] = []
     context = list(first.prompt_ids)
     for i, t in enumerate(turns):
@@ -76,10 +78,12 @@ def segment_sample(turns: list[Turn], **fields: Any) -> Sample:
             response += added
             mask += [0] * len(added)
             logprobs += [0.0] * len(added)
+            behavior += [0.0] * len(added)
             versions += [-1] * len(added)
         response += t.response_ids
         mask += [1] * len(t.response_ids)
         logprobs += list(t.logprobs)
+        behavior += list(t.logprobs if t.sampled_logprobs is None else t.sampled_logprobs)
         versions += list(t.versions)
         context = t.context
     status = FINISH_STATUS.get(turns[-1].finish_reason, Status.COMPLETED)
@@ -88,6 +92,7 @@ def segment_sample(turns: list[Turn], **fields: Any) -> Sample:
         response_ids=response,
         loss_mask=mask,
         rollout_logprobs=logprobs,
+        behavior_logprobs=behavior if any(t.sampled_logprobs is not None for t in turns) else None,
         versions=versions,
         status=status,
         **fields,

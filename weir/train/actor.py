@@ -260,7 +260,7 @@ class Actor:
         if self.acfg.correction.mode != "none":
             c = self.acfg.correction
             corr = algo.rollout_correction(
-                old, batch.rollout_logprobs, mask, mode=c.mode, cap=c.cap, low=c.low, high=c.high
+                old, self._behavior(batch), mask, mode=c.mode, cap=c.cap, low=c.low, high=c.high
             )
             weights, mask = corr.weights, corr.mask
             stats.update({f"correction/{k}": v for k, v in corr.metrics.items()})
@@ -401,7 +401,7 @@ class Actor:
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
                 max_len=self.max_len,
-                behavior_logp=batch.rollout_logprobs[idx]
+                behavior_logp=self._behavior(batch)[idx]
                 if self.acfg.policy_loss == "decoupled_ppo"
                 else None,
                 weights=None if weights is None else weights[idx],
@@ -431,6 +431,12 @@ class Actor:
                 diff = (out.logprobs.detach() - batch.rollout_logprobs[idx]) * policy
                 self._mismatch_sums[0] += diff.abs().sum().item()
                 self._mismatch_sums[1] += policy.sum().item()
+
+    def _behavior(self, batch: TrainBatch) -> torch.Tensor:
+        """The behaviour policy's log-probs per `algo.behavior_logprobs` (see the schema)."""
+        if self.acfg.behavior_logprobs == "sampled":
+            return batch.sampled_logprobs
+        return batch.rollout_logprobs
 
     @staticmethod
     def _finite_forward(out, mask: torch.Tensor) -> bool:
@@ -466,6 +472,9 @@ class Actor:
             batch,
             response_mask=batch.response_mask * keep,
             rollout_logprobs=clean(batch.rollout_logprobs),
+            behavior_logprobs=None
+            if batch.behavior_logprobs is None
+            else clean(batch.behavior_logprobs),
         )
         old = batch.rollout_logprobs if old_is_rollout else clean(old)
         return batch, old, None if ref is None else clean(ref), n

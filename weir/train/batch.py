@@ -21,6 +21,9 @@ class TrainBatch:
     rewards: torch.Tensor
     group_ids: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    behavior_logprobs: torch.Tensor | None = None
+    """Log-probs under the top-k/top-p truncated distribution the engine sampled from; None when
+    no sample was filtered (then `rollout_logprobs` are the behaviour policy's)."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -32,7 +35,14 @@ class TrainBatch:
             return self
         names = ("response_mask", "rollout_logprobs", "versions", "rewards", "group_ids")
         moved = {n: getattr(self, n).to(device, non_blocking=True) for n in names}
+        if self.behavior_logprobs is not None:
+            moved["behavior_logprobs"] = self.behavior_logprobs.to(device, non_blocking=True)
         return TrainBatch(samples=self.samples, metrics=self.metrics, **moved)
+
+    @property
+    def sampled_logprobs(self) -> torch.Tensor:
+        """The behaviour policy's log-probs: under the distribution each token was drawn from."""
+        return self.rollout_logprobs if self.behavior_logprobs is None else self.behavior_logprobs
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -88,6 +98,17 @@ def make_batch(groups: list[Group], *, version: int) -> TrainBatch | None:
         rewards=torch.tensor([s.reward for s in kept], dtype=torch.float32),
         group_ids=torch.tensor([s.group_id for s in kept], dtype=torch.long),
         metrics=metrics,
+        behavior_logprobs=_pad(
+            [
+                s.rollout_logprobs if s.behavior_logprobs is None else s.behavior_logprobs
+                for s in kept
+            ],
+            width,
+            0.0,
+            torch.float32,
+        )
+        if any(s.behavior_logprobs is not None for s in kept)
+        else None,
     )
 
 
