@@ -47,7 +47,9 @@ def test_sampled_logprobs_are_under_the_truncated_distribution(
     for prompt, comps in zip(prompts, engine.generate_many(prompts, params), strict=True):
         for c in comps:
             assert_parity(model, prompt, c, temperature=temperature)  # full log-probs unchanged
-            probs = torch.softmax(full_logits(model, prompt, c.token_ids).double() / temperature, -1)
+            probs = torch.softmax(
+                full_logits(model, prompt, c.token_ids).double() / temperature, -1
+            )
             full = probs.log().gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
             expected = full - _kept_logmass(probs, top_k, top_p).double()
             assert c.sampled_logprobs is not None
