@@ -109,3 +109,40 @@ def test_router_picks_the_least_loaded_healthy_replica(reps):
         return
     assert healthy[i] and outstanding[i] == min(outstanding[k] for k in live)
     assert i == min(k for k in live if outstanding[k] == outstanding[i])  # lowest index on a tie
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_one_kv_budget_key_sizes_every_engine(tiny_model_dir):
+    """engine.kv_budget_gb / kv_budget_fraction reach vLLM and SGLang as their own flags."""
+    from transformers import AutoConfig
+
+    from weir.engine.sglang_engine import kv_pool_tokens, sglang_argv
+    from weir.engine.vllm_engine import vllm_argv, vllm_env
+
+    common = dict(dtype="bfloat16", max_model_len=512, seed=0, sleep_mode=True, extra_args=[])
+    gpu = vllm_argv("py", "m", 1, **common, on_gpu=True, kv_budget_gb=2.0, kv_budget_fraction=0.7)
+    assert _flag(gpu, "--kv-cache-memory-bytes") == str(2 * 1024**3)
+    assert _flag(gpu, "--gpu-memory-utilization") == "0.7"
+    assert "--enforce-eager" not in gpu and "--enable-sleep-mode" in gpu  # CUDA graphs stay on
+    cpu = vllm_argv("py", "m", 1, **common, on_gpu=False, kv_budget_gb=2.0)
+    assert "--enforce-eager" in cpu and "--kv-cache-memory-bytes" not in cpu
+    assert "--enable-sleep-mode" not in cpu
+    assert vllm_env(None)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert vllm_env(2.5)["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+    c = AutoConfig.from_pretrained(tiny_model_dir)
+    kv_heads = c.num_key_value_heads or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * 2  # keys and values, bf16
+    tokens = kv_pool_tokens(str(tiny_model_dir), "bfloat16", 0.5)
+    assert tokens == (1024**3 // 2) // per_token
+    argv = sglang_argv(
+        "py", "m", 1, dtype="bfloat16", max_model_len=512, seed=0, memory_saver=False,
+        extra_args=[], kv_tokens=tokens, kv_budget_fraction=0.6,
+    )  # fmt: skip
+    assert _flag(argv, "--max-total-tokens") == str(tokens)
+    assert _flag(argv, "--mem-fraction-static") == "0.6"
+    assert kv_pool_tokens(str(tiny_model_dir), "bfloat16", None) is None

@@ -44,7 +44,7 @@ def base(model_dir):
 
 @pytest.fixture(scope="module")
 def vllm(model_dir, tmp_path_factory):
-    cfg = EngineConfig(type="vllm", python=vllm_python(), max_model_len=512, kv_cache_gb=1)
+    cfg = EngineConfig(type="vllm", python=vllm_python(), max_model_len=512, kv_budget_gb=1)
     engine = start_vllm(
         cfg,
         str(model_dir),

@@ -248,12 +248,16 @@ class EngineConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Built-in engine weight dtype. `auto`: bfloat16 on CUDA, float32 on CPU."""
     kv_budget_gb: float | None = Field(None, gt=0)
-    """Most KV cache the built-in engine holds at once, in GiB (2 x layers x kv_heads x head_dim x
-    dtype bytes per token of each sequence, prefill and scratch included; activations not counted).
-    Requests wait for room; one that can never fit fails with a message. Null: no limit."""
+    """Most KV cache the engine holds at once, in GiB (2 x layers x kv_heads x head_dim x dtype
+    bytes per token of each sequence, prefill and scratch included; activations not counted).
+    Built-in engine: requests wait for room; one that can never fit fails with a message; null: no
+    limit. vLLM: --kv-cache-memory-bytes on a GPU, VLLM_CPU_KVCACHE_SPACE (whole GiB, default 1)
+    on a CPU. SGLang: --max-total-tokens of that size."""
     kv_budget_fraction: float | None = Field(None, gt=0, le=1)
-    """Instead of kv_budget_gb: this fraction of the device memory free when the engine starts
-    (CUDA: torch.cuda.mem_get_info after the model is loaded; CPU: available RAM)."""
+    """Instead of kv_budget_gb. Built-in engine: this fraction of the device memory free when the
+    engine starts (CUDA: torch.cuda.mem_get_info after the model is loaded; CPU: available RAM).
+    vLLM: --gpu-memory-utilization; SGLang: --mem-fraction-static (their meaning: the share of the
+    whole GPU for weights and KV cache)."""
     kv_idle_release_s: float | None = Field(10.0, ge=0)
     """Give the KV cache back after the engine has been idle this many seconds; null keeps it."""
     sleep_while_training: bool = True
@@ -280,8 +284,6 @@ class EngineConfig(Section):
     """vllm/sglang: servers weir starts (requests go to the one with the fewest outstanding)."""
     max_model_len: int | None = Field(None, ge=16)
     """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
-    kv_cache_gb: float = Field(1.0, gt=0)
-    """vllm/sglang on CPU: KV-cache memory per server, GiB."""
     sleep_mode: bool = False
     """vllm/sglang: free the servers' memory (sleep) while the trainer trains; wake for rollout."""
     startup_timeout_s: float = Field(300.0, gt=0)

@@ -142,17 +142,42 @@ class SglangBackend:
 
 def sglang_argv(
     python: str, model_path: str, port: int, *, dtype: str, max_model_len: int, seed: int,
-    memory_saver: bool, extra_args: list[str],
+    memory_saver: bool, extra_args: list[str], kv_tokens: int | None = None,
+    kv_budget_fraction: float | None = None,
 ) -> list[str]:  # fmt: skip
-    """The command that starts one SGLang server for weir."""
+    """The command that starts one SGLang server for weir.
+
+    `kv_tokens` (from `engine.kv_budget_gb`, see `kv_pool_tokens`) becomes ``--max-total-tokens``
+    and `engine.kv_budget_fraction` ``--mem-fraction-static`` (SGLang's meaning: the share of GPU
+    memory for the weights and the KV pool)."""
     argv = [
         python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", dtype, "--context-length", str(max_model_len),
         "--random-seed", str(seed), "--skip-server-warmup",
     ]  # fmt: skip
+    if kv_tokens is not None:
+        argv += ["--max-total-tokens", str(kv_tokens)]
+    if kv_budget_fraction is not None:
+        argv += ["--mem-fraction-static", str(kv_budget_fraction)]
     if memory_saver:
         argv.append("--enable-memory-saver")
     return argv + list(extra_args)
+
+
+def kv_pool_tokens(model_path: str, dtype: str, kv_budget_gb: float | None) -> int | None:
+    """Tokens of KV cache that fit in `kv_budget_gb` GiB for the model at `model_path` (keys and
+    values of every layer: 2 x layers x kv_heads x head_dim x dtype bytes per token)."""
+    if kv_budget_gb is None:
+        return None
+    import torch
+    from transformers import AutoConfig
+
+    from weir.engine.kv_budget import GB, cell_bytes
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, torch.float32)
+    return max(1, int(kv_budget_gb * GB) // cell_bytes(config, torch_dtype))
 
 
 def start_sglang(
@@ -172,6 +197,7 @@ def start_sglang(
     python = ecfg.python or default_python(".venv-sglang")
     if not ecfg.urls:
         check_installed(python, "sglang", INSTALL_HINT)
+    kv_tokens = kv_pool_tokens(model_path, dtype, ecfg.kv_budget_gb)
 
     def make_process(i: int, port: int) -> ServerProcess:
         return ServerProcess(
@@ -184,6 +210,8 @@ def start_sglang(
                 seed=seed + i,
                 memory_saver=ecfg.sleep_mode,
                 extra_args=list(ecfg.extra_args),
+                kv_tokens=kv_tokens,
+                kv_budget_fraction=ecfg.kv_budget_fraction,
             ),
             url=f"http://127.0.0.1:{port}",
             log_path=work / f"sglang-{i}.log",

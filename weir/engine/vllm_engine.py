@@ -24,6 +24,7 @@ replica, from its own environment; or attached by URL with ``engine.urls``). Wha
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -128,8 +129,20 @@ def vllm_argv(
     seed: int,
     sleep_mode: bool,
     extra_args: list[str],
+    on_gpu: bool | None = None,
+    kv_budget_gb: float | None = None,
+    kv_budget_fraction: float | None = None,
 ) -> list[str]:
-    """The command that starts one vLLM server for weir."""
+    """The command that starts one vLLM server for weir.
+
+    On a GPU, `engine.kv_budget_gb` becomes ``--kv-cache-memory-bytes`` and
+    `engine.kv_budget_fraction` ``--gpu-memory-utilization`` (vLLM's meaning: the share of the
+    whole GPU for weights, activations and KV cache), CUDA graphs stay on (weight updates copy in
+    place, so captured graphs stay valid) and sleep mode is available. On a CPU the KV size is an
+    environment variable (`vllm_env`) and the server runs eagerly (compiling costs minutes there).
+    """
+    if on_gpu is None:
+        on_gpu = shutil.which("nvidia-smi") is not None
     argv = [
         python,
         "-m",
@@ -152,22 +165,29 @@ def vllm_argv(
         "processed_logprobs",
         "--worker-extension-cls",
         "weir_vllm_ext.WeirWorkerExtension",
-        "--enforce-eager",
         "--disable-uvicorn-access-log",
     ]
-    if sleep_mode and shutil.which("nvidia-smi"):  # vLLM's sleep mode exists on GPUs only
-        argv.append("--enable-sleep-mode")
+    if not on_gpu:
+        argv.append("--enforce-eager")
+    else:
+        if kv_budget_gb is not None:
+            argv += ["--kv-cache-memory-bytes", str(int(kv_budget_gb * 1024**3))]
+        if kv_budget_fraction is not None:
+            argv += ["--gpu-memory-utilization", str(kv_budget_fraction)]
+        if sleep_mode:  # vLLM's sleep mode exists on GPUs only
+            argv.append("--enable-sleep-mode")
     return argv + list(extra_args)
 
 
-def vllm_env(kv_cache_gb: float) -> dict[str, str]:
+def vllm_env(kv_budget_gb: float | None) -> dict[str, str]:
     """Environment of a vLLM server: dev mode (``/collective_rpc``, ``/sleep``), weir's worker
-    extension on the path, and on CPU a KV cache of `kv_cache_gb` GiB."""
+    extension on the path, and on CPU a KV cache of `kv_budget_gb` GiB (whole GiB, at least 1;
+    1 when unset)."""
     path = os.pathsep.join(p for p in (str(EXT_DIR), os.environ.get("PYTHONPATH", "")) if p)
     return {
         "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONPATH": path,
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gb)))),
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_budget_gb or 1.0))),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
@@ -207,10 +227,12 @@ def start_vllm(
                 seed=seed + i,
                 sleep_mode=ecfg.sleep_mode,
                 extra_args=list(ecfg.extra_args),
+                kv_budget_gb=ecfg.kv_budget_gb,
+                kv_budget_fraction=ecfg.kv_budget_fraction,
             ),
             url=f"http://127.0.0.1:{port}",
             log_path=work / f"vllm-{i}.log",
-            env=vllm_env(ecfg.kv_cache_gb),
+            env=vllm_env(ecfg.kv_budget_gb),
             startup_timeout_s=ecfg.startup_timeout_s,
         )
 
