@@ -118,3 +118,9 @@ def test_user_data_needs_a_held_out_split():
 def test_combinations_that_cannot_work_are_rejected_up_front(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config({}, overrides)
+
+
+def test_a_renamed_key_in_an_old_run_config_moves_to_its_new_name():
+    with pytest.warns(FutureWarning, match=r"engine.kv_cache_gb is now engine.kv_budget_gb"):
+        cfg = build_config({"data": {"task": "arithmetic"}, "engine": {"kv_cache_gb": 2.0}})
+    assert cfg.engine.kv_budget_gb == 2.0

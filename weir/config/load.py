@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +73,33 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+RENAMED = {("engine", "kv_cache_gb"): ("engine", "kv_budget_gb")}
+"""Keys a run directory's config.yaml may still hold from an older weir: old -> new."""
+
+
+def _migrate_renamed(data: dict[str, Any]) -> None:
+    """Move renamed keys to their new names (unless those are set), with a FutureWarning."""
+    for (section, old), (new_section, new) in RENAMED.items():
+        node = data.get(section)
+        if not isinstance(node, dict) or old not in node:
+            continue
+        value = node.pop(old)
+        warnings.warn(
+            f"{section}.{old} is now {new_section}.{new}; rename it in your config",
+            FutureWarning,
+            stacklevel=3,
+        )
+        target = data.setdefault(new_section, {})
+        if isinstance(target, dict) and target.get(new) is None:
+            target[new] = value
+
+
 def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
     """Validate a dict (plus overrides) into a Config, raising ConfigError with readable messages."""
     data = apply_overrides(
         copy.deepcopy(dict(data or {})), list(overrides or [])
     )  # never the caller's
+    _migrate_renamed(data)
     try:
         return Config.model_validate(data)
     except ValidationError as err:
