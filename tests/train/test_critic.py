@@ -171,3 +171,29 @@ def test_missing_critic_state_is_a_one_line_error(tiny_model_dir, tmp_path):
     critic = _critic(tiny_model_dir)
     with pytest.raises(ValueError, match="no critic state"):
         critic.load(tmp_path / "step_1" / "critic")
+
+
+def test_a_critic_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from weir.train.critic import load_value_model
+
+    small = Qwen3Config(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    Qwen3ForCausalLM(small).save_pretrained(tmp_path / "other")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "other")
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    settings = CriticSettings.from_config(_cfg(f"critic.model_path={tmp_path / 'other'}"))
+    with pytest.raises(ValueError, match="vocabulary of 50 tokens"):
+        load_value_model(settings, policy, tmp_path)
+    same = CriticSettings.from_config(_cfg(f"critic.model_path={tiny_model_dir}"))
+    value_model = load_value_model(same, policy, tmp_path)
+    assert value_model.backbone is not policy.model
+    assert value_model.head.weight.abs().sum() == 0
