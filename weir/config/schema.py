@@ -599,22 +599,7 @@ class Config(Section):
             )
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
-        if self.algo.advantage == "gae":
-            self._check_critic()
         return self
-
-    def _check_critic(self) -> None:
-        """algo.advantage=gae trains a critic: what it cannot do yet is refused here."""
-        if self.cluster.type == "ray":
-            raise ValueError(
-                "algo.advantage=gae (PPO with a critic) runs on cluster.type=local only; "
-                "use cluster.type=local or an advantage without a critic (grpo, rloo, reinforce_pp)"
-            )
-        mb, total = self.critic.mini_batches, self.rollout.batch_prompts * self.rollout.n
-        if mb is not None and total % mb:
-            raise ValueError(
-                f"critic.mini_batches={mb} must divide rollout.batch_prompts * rollout.n = {total}"
-            )
 
     def _migrate_model_dtype(self) -> None:
         """The old `model.dtype` set one dtype for everything; it still does, with a warning."""
@@ -654,3 +639,20 @@ class Config(Section):
     @property
     def correction_needs_engine_logprobs(self) -> bool:
         return self.algo.correction.mode != "none"
+
+    @model_validator(mode="after")
+    def _check_critic(self) -> Config:
+        """algo.advantage=gae trains a critic: what it cannot do yet is refused here."""
+        if self.algo.advantage != "gae":
+            return self
+        if self.cluster.type == "ray":
+            raise ValueError(
+                "algo.advantage=gae (PPO with a critic) runs on cluster.type=local only; "
+                "use cluster.type=local or an advantage without a critic (grpo, rloo, reinforce_pp)"
+            )
+        mb, total = self.critic.mini_batches, self.rollout.batch_prompts * self.rollout.n
+        if mb is not None and total % mb:
+            raise ValueError(
+                f"critic.mini_batches={mb} must divide rollout.batch_prompts * rollout.n = {total}"
+            )
+        return self
