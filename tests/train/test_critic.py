@@ -17,6 +17,7 @@ from weir.train.critic import (
     response_values,
     value_model_from,
 )
+from weir.train.optim import OffloadedAdamW
 
 
 def _cfg(*overrides: str):
@@ -136,9 +137,12 @@ def test_critic_warm_up_freezes_the_policy_and_gae_uses_the_values(tiny_model_di
     assert not all(torch.equal(a, b) for a, b in zip(policy, actor.model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_state_round_trips_and_training_continues_exactly(tiny_model_dir, tmp_path, shared):
+@pytest.mark.parametrize(("shared", "offload"), [(False, False), (True, False), (False, True)])
+def test_state_round_trips_and_training_continues_exactly(
+    tiny_model_dir, tmp_path, shared, offload
+):
     opt = f"critic.shared_backbone={str(shared).lower()}"
+    off = f"train.offload_optimizer={str(offload).lower()}"
     batch = make_batch(toy_groups(), version=0)
     returns = batch.rewards[:, None] * batch.response_mask
 
@@ -146,14 +150,17 @@ def test_state_round_trips_and_training_continues_exactly(tiny_model_dir, tmp_pa
         old, m, _ = c.values(batch, batch.response_mask)
         return c.train(batch, old, returns, m)
 
-    a = _critic(tiny_model_dir, opt, "critic.schedule=cosine", "critic.warmup_steps=1")
+    a = _critic(tiny_model_dir, opt, off, "critic.schedule=cosine", "critic.warmup_steps=1")
     for _ in range(2):
         step(a)
     a.save(tmp_path / "critic")
     lm_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     if shared:  # the policy's checkpoint carries the shared backbone
         lm_b.model.load_state_dict(a.model.backbone.state_dict())
-    b = _critic(tiny_model_dir, opt, "critic.schedule=cosine", "critic.warmup_steps=1", lm=lm_b)
+    b = _critic(
+        tiny_model_dir, opt, off, "critic.schedule=cosine", "critic.warmup_steps=1", lm=lm_b
+    )
+    assert isinstance(b.optimizer, OffloadedAdamW) == offload
     b.load(tmp_path / "critic")
     assert (b.steps, b.updates) == (a.steps, a.updates) == (2, 2)
     for (ka, va), (kb, vb) in zip(

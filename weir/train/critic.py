@@ -190,6 +190,7 @@ class Critic:
             lr=self.cfg.lr,
             betas=self.tcfg.betas,
             weight_decay=self.cfg.weight_decay,
+            offload=self.tcfg.offload_optimizer,
         )
         self.scheduler = make_schedule(
             self.optimizer,
