@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -204,3 +206,38 @@ def test_a_critic_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_p
     value_model = load_value_model(same, policy, tmp_path)
     assert value_model.backbone is not policy.model
     assert value_model.head.weight.abs().sum() == 0
+
+
+def test_non_finite_values_drop_their_sample_and_a_non_finite_forward_skips_the_update(
+    tiny_model_dir,
+):
+    cfg = _cfg()
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    actor = Actor(lm, ActorSettings.from_config(cfg))
+    critic = Critic(value_model_from(lm, share=False), CriticSettings.from_config(cfg))
+    batch = make_batch(toy_groups(), version=0)
+    forward = critic._forward
+
+    def nan_in_sample_0(b, idx, width):
+        v = forward(b, idx, width)
+        return torch.where(torch.tensor(idx)[:, None] == 0, float("nan"), v)
+
+    critic._forward = nan_in_sample_0
+    values, mask, stats = critic.values(batch, batch.response_mask)
+    assert stats["critic/nonfinite_value_samples"] == 1.0
+    assert mask[0].sum() == 0 and mask[1:].equal(batch.response_mask[1:])
+    assert torch.isfinite(values).all()
+
+    stats = actor.train(batch, critic=critic)  # sample 0 is left out of GAE and both updates
+    assert stats["critic/nonfinite_value_samples"] == 1.0
+    assert stats["critic/skipped_updates"] == 0.0 and math.isfinite(stats["critic/value_loss"])
+    assert math.isfinite(stats["train/loss"])
+
+    def all_nan(b, idx, width):
+        return forward(b, idx, width) * float("nan")
+
+    critic._forward = all_nan  # an overflow inside the critic's update: skipped and counted
+    before = [p.detach().clone() for p in critic.model.parameters()]
+    stats = critic.train(batch, values, values, mask)
+    assert stats["critic/skipped_updates"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, critic.model.parameters(), strict=True))
