@@ -66,17 +66,23 @@ def test_resumed_run_with_a_critic_continues_exactly(workdir):
     assert (stopped / "metrics.jsonl").read_bytes() == expected
 
 
-def test_async_run_with_a_critic_on_the_shared_backbone(workdir):
+def test_async_run_with_a_critic_on_the_shared_backbone_resumes(workdir):
     cfg = {
         **CONFIG,
-        "run": {**CONFIG["run"], "steps": 2, "deterministic": False, "checkpoint_every": 0},
+        "run": {**CONFIG["run"], "steps": 2, "deterministic": False, "checkpoint_every": 2},
         "loop": {"mode": "async", "max_staleness": 1},
-        "critic": {**CONFIG["critic"], "shared_backbone": True},
+        "critic": {**CONFIG["critic"], "shared_backbone": True, "freeze_actor_steps": 2},
     }
-    result = weir.run(cfg, [f"run.dir={workdir / 'async'}"])
+    run_dir = workdir / "async"
+    result = weir.run(cfg, [f"run.dir={run_dir}"])
     steps = [h for h in result.history if "critic/value_loss" in h]
-    assert len(steps) == 2
-    assert steps[-1]["critic/actor_frozen"] == 0.0 and "policy/pg_loss" in steps[-1]
+    assert [h["critic/actor_frozen"] for h in steps] == [1.0, 1.0]
+    head = run_dir / "checkpoints" / "step_00000002" / "critic" / "model.safetensors"
+    assert head.exists()
+    # resumed: the critic's step counter comes back, so its warm-up (2 steps) is over at step 3
+    result = weir.run(cfg, [f"run.dir={run_dir}", "run.steps=3"])
+    last = result.history[-1] if "critic/value_loss" in result.history[-1] else result.history[-2]
+    assert last["critic/actor_frozen"] == 0.0 and "policy/pg_loss" in last
 
 
 def test_a_critic_on_ray_is_refused_in_one_line():
