@@ -164,5 +164,6 @@ def test_a_mini_batch_emptied_by_masking_is_skipped(tiny_model_dir):
 def test_misspelt_options_fail_at_start_up(tiny_model_dir):
     with pytest.raises(ValueError, match="eps_hgh"):
         _actor(tiny_model_dir, **{"algo.loss_options": "{eps_hgh: 0.3}"})
-    with pytest.raises(ValueError, match="critic"):
-        _actor(tiny_model_dir, **{"algo.advantage": "gae"})
+    gae = _actor(tiny_model_dir, **{"algo.advantage": "gae"})  # PPO with a critic: it is given
+    with pytest.raises(ValueError, match="needs a critic"):  # to train(), not the constructor
+        gae.train(make_batch(toy_groups(), version=0))

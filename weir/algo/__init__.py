@@ -33,6 +33,7 @@ from .kl import (
 )
 from .policy_loss import POLICY_LOSSES, compute_policy_loss
 from .registry import Registry, resolve
+from .value_loss import ValueLoss, value_loss
 
 __all__ = [
     "ADVANTAGES",
@@ -56,4 +57,6 @@ __all__ = [
     "masked_whiten",
     "resolve",
     "rollout_correction",
+    "ValueLoss",
+    "value_loss",
 ]

@@ -234,6 +234,41 @@ class TrainConfig(Section):
     sequence; `auto`: packed where the attention backend has a variable-length kernel, else padded."""
 
 
+class CriticConfig(Section):
+    """The learned critic (value model) of PPO; built when algo.advantage is gae (docs/critic.md)."""
+
+    model_path: str | None = None
+    """HF model directory or `tiny:<size>` whose backbone becomes the value model (its LM head is
+    dropped, a value head added); it must use the policy's tokenizer. null: the policy's initial
+    model (model.path)."""
+    shared_backbone: bool = False
+    """Put the value head on the policy's own backbone instead of a separate model: no second
+    model in memory, but the critic's updates also move the policy's backbone."""
+    lr: float = Field(1e-5, gt=0.0)
+    """Peak learning rate of the critic's AdamW."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Cosine schedule floor as a fraction of critic.lr."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear learning-rate warm-up."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the critic's global gradient norm; null disables."""
+    freeze_actor_steps: int = Field(0, ge=0)
+    """Critic warm-up: the first N RL steps train only the critic; the policy is not updated."""
+    value_clip: float | None = Field(0.5, gt=0)
+    """Clip range c of the value loss: the new prediction moves at most c from the one GAE used
+    before the larger of the clipped and unclipped squared errors is taken; null: no clipping."""
+    loss_coef: float = Field(1.0, gt=0.0)
+    """Coefficient of the value loss (0.5 * coef * squared error, token mean)."""
+    mini_batches: int | None = Field(None, ge=1)
+    """Critic optimizer steps per RL step; null: train.mini_batches."""
+    epochs: int | None = Field(None, ge=1)
+    """Critic passes over the RL batch; null: train.epochs."""
+
+
 class EngineConfig(Section):
     type: Literal["torch", "vllm", "sglang"] = "torch"
     """Inference engine: `torch` (built in), `vllm` or `sglang` (servers; see docs/engines.md)."""
@@ -515,6 +550,7 @@ class Config(Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -626,3 +662,20 @@ class Config(Section):
     @property
     def correction_needs_engine_logprobs(self) -> bool:
         return self.algo.correction.mode != "none"
+
+    @model_validator(mode="after")
+    def _check_critic(self) -> Config:
+        """algo.advantage=gae trains a critic: what it cannot do yet is refused here."""
+        if self.algo.advantage != "gae":
+            return self
+        if self.cluster.type == "ray":
+            raise ValueError(
+                "algo.advantage=gae (PPO with a critic) runs on cluster.type=local only; "
+                "use cluster.type=local or an advantage without a critic (grpo, rloo, reinforce_pp)"
+            )
+        mb, total = self.critic.mini_batches, self.rollout.batch_prompts * self.rollout.n
+        if mb is not None and total % mb:
+            raise ValueError(
+                f"critic.mini_batches={mb} must divide rollout.batch_prompts * rollout.n = {total}"
+            )
+        return self

@@ -85,7 +85,7 @@ def run_async(
             if colocated:
                 parts.engine.pause_sync()
             with engine_asleep(cfg, parts.engine, parts.model, when=colocated):
-                stats = parts.trainer.train(batch)
+                stats = parts.trainer.train(batch, critic=parts.critic)
             sync = swap_weights(parts, run.bump_version(), abort=policy == "abort")
             if colocated:
                 parts.engine.resume_sync()

@@ -5,6 +5,8 @@
 - ``model/``: the policy as a standard HF directory (safetensors, config, tokenizer): `weir export`
   copies it, and resuming loads its tensors into the trainer's model;
 - ``trainer.pt``: optimizer and LR-schedule state, the KL coefficient, update counters;
+- ``critic/`` (PPO with a critic): ``model.safetensors``, the value model's weights (only the value
+  head when it shares the policy's backbone), and ``state.pt``, its optimizer, schedule, counters;
 - ``rng.pt``: Python, NumPy, torch CPU and CUDA RNG states and the engine's seed stream;
 - ``state.json``: step, weight version, data-iterator position, the evaluations so far;
 - ``buffer.pt`` (asynchronous loop): groups generated but not yet trained, and the rows still being
@@ -41,6 +43,8 @@ def save_run_checkpoint(
     def write(tmp: Path) -> None:
         save_model(parts.trained_model(), parts.tokenizer, tmp / "model")
         torch.save(parts.trainer.state_dict(), tmp / "trainer.pt")
+        if getattr(parts, "critic", None) is not None:
+            parts.critic.save(tmp / "critic")
         torch.save(
             {
                 "python": random.getstate(),
@@ -118,6 +122,8 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
     if getattr(parts, "cluster", None) is not None:  # Ray: the ranks take the weights too
         trainer_state["model"] = parts.model.state_dict()
     parts.trainer.load_state_dict(trainer_state)
+    if getattr(parts, "critic", None) is not None:
+        parts.critic.load(path / "critic")
     parts.prompts.load_state_dict(state["prompts"])
     rng = torch.load(path / "rng.pt", weights_only=False)
     random.setstate(rng["python"])

@@ -33,6 +33,7 @@ from weir.rollout.single_turn import RolloutContext
 from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
 from weir.train.actor import Actor, ActorSettings
+from weir.train.critic import Critic, CriticSettings, load_value_model
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
 
@@ -50,6 +51,7 @@ class Components:
     rollout_fn: Callable
     keep: Callable | None
     sync: Any = None  # cluster.type=ray: the WeightSync from trainer rank 0 to the engine replicas
+    critic: Critic | None = None  # algo.advantage=gae: PPO's value model
     cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
 
     def close(self) -> None:
@@ -299,7 +301,7 @@ def build(
                 engine.update_weights_sync(trainer.weights(), 0)
     try:
         return _components(
-            cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter
+            cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
         )
     except BaseException:
         if ray_parts is not None:
@@ -307,7 +309,21 @@ def build(
         raise
 
 
-def _components(cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter):
+def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | None:
+    """PPO's critic when algo.advantage=gae (the config refuses it on Ray), else None."""
+    if cfg.algo.advantage != "gae":
+        return None
+    settings = CriticSettings.from_config(cfg)
+    build_dir = run_dir.parent / ".models"
+    value_model = load_value_model(
+        settings, model, build_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
+    )
+    return Critic(value_model, settings)
+
+
+def _components(
+    cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
+):
     ctx, eval_ctx = make_contexts(cfg, engine, tokenizer, reward)
     if ray_parts is not None and cfg.cluster.reward_workers:
         ctx.reward_fn = eval_ctx.reward_fn = ray_parts.rewards(ctx.reward_fn)
@@ -330,4 +346,5 @@ def _components(cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollo
         keep=resolve(spec, {}, "rollout.filter") if spec else None,
         sync=ray_parts.sync if ray_parts is not None else None,
         cluster=ray_parts,
+        critic=make_critic(cfg, model, run_dir) if ray_parts is None else None,
     )

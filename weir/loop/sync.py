@@ -56,7 +56,7 @@ def run_sync(
                 run.log(step, gen, {"train/empty_steps": 1.0})
                 continue
             with engine_asleep(cfg, parts.engine, parts.model):
-                stats = parts.trainer.train(batch)
+                stats = parts.trainer.train(batch, critic=parts.critic)
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}
             run.log(step, gen, batch.metrics, stats, sync, evals)

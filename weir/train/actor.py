@@ -17,6 +17,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from weir.train.batch import TrainBatch
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import choose_layout, micro_batches, response_logprobs
 from weir.train.precision import Precision
+
+if TYPE_CHECKING:
+    from weir.train.critic import Critic
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,15 @@ class ActorSettings:
             train=cfg.train,
             algo=cfg.algo,
             temperature=cfg.rollout.temperature or 1.0,
-            total_steps=max(1, cfg.run.steps * cfg.train.mini_batches * cfg.train.epochs),
+            total_steps=max(1, _policy_steps(cfg) * cfg.train.mini_batches * cfg.train.epochs),
             max_response_tokens=cfg.agent.max_tokens if multi_turn else cfg.rollout.max_new_tokens,
         )
+
+
+def _policy_steps(cfg: Config) -> int:
+    """RL steps that update the policy: all but the critic's warm-up (critic.freeze_actor_steps)."""
+    frozen = cfg.critic.freeze_actor_steps if cfg.algo.advantage == "gae" else 0
+    return max(0, cfg.run.steps - frozen)
 
 
 class Actor:
@@ -115,15 +125,13 @@ class Actor:
         """Fail at start-up, not after the first rollout, on a misspelt or invalid algo option."""
         ones = torch.ones(2, 1)
         probe = torch.full((2, 1), -1.0)
-        if self.acfg.advantage == "gae":
-            raise ValueError(
-                "algo.advantage=gae needs a critic (value model), which weir does not train yet; use grpo, rloo or reinforce_pp"
-            )
+        values = {"values": torch.zeros(2, 1)} if self.acfg.advantage == "gae" else {}
         adv = algo.compute_advantages(
             self.advantage_fn,
             torch.tensor([1.0, 0.0]),
             ones,
             torch.tensor([0, 0]),
+            **values,
             **self.acfg.advantage_options,
         )
         algo.compute_policy_loss(
@@ -219,12 +227,18 @@ class Actor:
             out[idx] = res.logprobs
         return self._combine_rows(out)
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL step of updates on `batch`; returns metrics (loss, clip fraction, KL, grad norm...)."""
-        with span("train", samples=len(batch)):
-            return self._train(batch)
+    def train(self, batch: TrainBatch, critic: Critic | None = None) -> dict[str, float]:
+        """One RL step of updates on `batch`; returns metrics (loss, clip fraction, KL, grad norm...).
 
-    def _train(self, batch: TrainBatch) -> dict[str, float]:
+        With a `critic` (algo.advantage=gae): its values of the batch feed GAE, it is trained
+        towards GAE's returns, and during its warm-up (critic.freeze_actor_steps) only it is.
+        """
+        if critic is None and self.acfg.advantage == "gae":
+            raise ValueError("algo.advantage=gae needs a critic: pass critic= to Actor.train")
+        with span("train", samples=len(batch)):
+            return self._train(batch, critic)
+
+    def _train(self, batch: TrainBatch, critic: Critic | None = None) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
         stats: dict[str, float] = {}
@@ -270,17 +284,34 @@ class Actor:
                     "train/empty_steps": 1.0,
                     "time/train": time.perf_counter() - start,
                 }
+        values: dict[str, torch.Tensor] = {}
+        if critic is not None:
+            values["values"], mask, critic_stats = critic.values(batch, mask)
+            stats.update(critic_stats)
+            if not mask.any():
+                return {
+                    **stats,
+                    "train/empty_steps": 1.0,
+                    "time/train": time.perf_counter() - start,
+                }
         adv = algo.compute_advantages(
             self.advantage_fn,
             batch.rewards,
             mask,
             batch.group_ids,
             token_rewards=token_rewards,
+            **values,
             **self.acfg.advantage_options,
         )
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
             mask = adv.mask  # samples with non-finite rewards are excluded
+        if critic is not None:
+            frozen = critic.actor_frozen
+            stats.update(critic.train(batch, values["values"], adv.returns, mask))
+            stats["critic/actor_frozen"] = float(frozen)
+            if frozen:  # critic warm-up: the policy is not updated
+                return {**stats, "time/train": time.perf_counter() - start}
         sums: dict[str, float] = defaultdict(float)
         grad_norms: list[float] = []
         peaks: dict[str, float] = {}

@@ -350,7 +350,11 @@ class TrainerGroup:
     def call(self, method: str, *args) -> list:
         return self.get([getattr(r, method).remote(*args) for r in self.ranks])
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def train(self, batch: TrainBatch, critic: None = None) -> dict[str, float]:
+        if critic is not None:  # the config refuses algo.advantage=gae on Ray
+            raise ValueError(
+                "a critic on Ray trainer ranks is not supported: use cluster.type=local"
+            )
         import ray
 
         ref = ray.put(batch)  # one copy in the object store, read by every rank
