@@ -200,6 +200,13 @@ def test_unknown_target_modules_are_refused_naming_the_layers(tiny_model_dir):
     assert "\n" not in str(err.value)
 
 
+def test_a_tied_output_head_is_refused(tiny_model_dir):
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight  # tie_word_embeddings
+    with pytest.raises(ValueError, match="lm_head shares its weight"):
+        apply_lora(plain, _cfg("lora.target_modules=[q_proj,lm_head]").lora)
+
+
 def test_lora_on_ray_is_refused_up_front():
     with pytest.raises(Exception, match="lora.enabled runs on cluster.type=local only"):
         build_config({}, ["lora.enabled=true", "cluster.type=ray"])

@@ -111,6 +111,7 @@ def apply_lora(
             f"lora.target_modules={targets}: {str(err).splitlines()[0]} "
             f"(this model's linear layers: {', '.join(available)})"
         ) from None
+    shared = _shared_parameters(peft_model)
     for name, layer in lora_layers(peft_model):
         base = layer.get_base_layer()
         if type(base) is not torch.nn.Linear:
@@ -118,9 +119,22 @@ def apply_lora(
                 f"lora.target_modules: {name} is a {type(base).__name__}; weir adapts "
                 f"nn.Linear layers only ({', '.join(available)})"
             )
+        if id(base.weight) in shared:  # merging would change the other user of the tensor too
+            raise ValueError(
+                f"lora.target_modules: {name} shares its weight with another layer (tied "
+                "embeddings); leave it out of the targets"
+            )
     if base_path is not None:
         peft_model.peft_config[ADAPTER].base_model_name_or_path = config.base_model_name_or_path
     return peft_model
+
+
+def _shared_parameters(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters that more than one module holds (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
 
 
 def lora_layers(model: PeftModel) -> Iterator[tuple[str, Any]]:
