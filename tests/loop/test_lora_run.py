@@ -4,6 +4,7 @@ writes the merged model or the adapter, and both compute what the trained model 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,20 @@ def test_export_adapter_loads_with_peft(runs, tmp_path):
     assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
     merged = AutoModelForCausalLM.from_pretrained(runs["straight"] / "model")
     assert torch.allclose(_logits(loaded, IDS), _logits(merged, IDS), atol=1e-5)
+    # a finished run without checkpoints: --adapter takes <run>/adapter, not the merged model/
+    bare = tmp_path / "bare_run"
+    for sub in ("model", "adapter"):
+        shutil.copytree(runs["straight"] / sub, bare / sub)
+    result = CliRunner().invoke(
+        app, ["export", str(bare), "--out", str(tmp_path / "a2"), "--adapter"]
+    )
+    assert result.exit_code == 0, result.output
+    final = load_file(runs["straight"] / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(final[k], saved[k]) for k in saved)  # the last checkpoint's
+    assert all(
+        torch.equal(final[k], v)
+        for k, v in load_file(tmp_path / "a2" / "adapter_model.safetensors").items()
+    )
 
 
 def test_export_and_resume_mistakes_are_one_line(runs, tmp_path):

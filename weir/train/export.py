@@ -52,6 +52,8 @@ def export_model(
     from weir.train.model import DTYPES
 
     model_dir, origin = find_model_dir(source)
+    if adapter and origin.get("final") and is_adapter_dir(model_dir.parent / "adapter"):
+        model_dir = model_dir.parent / "adapter"  # a finished LoRA run: model/ is merged
     if is_adapter_dir(model_dir):
         from weir.train.lora_export import export_lora
 

@@ -84,7 +84,8 @@ def apply_lora(
     went through before (e.g. building a `tiny:` model), and the global RNG is left as it was.
     `base_path` is recorded as the adapter's base model (adapter_config.json), where `weir export`
     finds the weights to merge into; a local directory is made absolute. Target modules that match
-    nothing, or match a layer that is not an `nn.Linear`, are refused.
+    nothing, match a layer that is not an `nn.Linear`, or a layer whose weight is tied to another
+    (the merge would change both), are refused.
     """
     peft = _peft()
     targets = lcfg.target_modules
