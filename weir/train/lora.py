@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,12 +56,10 @@ def _peft():
 
 
 def is_lora(model: Any) -> bool:
-    """Whether `model` is a peft model (the trainer's module of a LoRA run)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """Whether `model` is a peft model (the trainer's module of a LoRA run). Never imports peft
+    (seconds): a model cannot be a peft model before peft was imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def is_adapter_dir(path: str | Path) -> bool:
