@@ -112,9 +112,9 @@ def child(args) -> dict[str, Any]:
 
     from weir.config import build_config
     from weir.train.actor import Actor, ActorSettings
-    from weir.train.lora import LoraActor, _peft, apply_lora
+    from weir.train.lora import LoraActor, apply_lora, require_peft
 
-    _peft()  # both modes import the same modules before memory is measured
+    require_peft()  # both modes import the same modules before memory is measured
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

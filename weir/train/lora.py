@@ -29,6 +29,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +46,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def _peft():
+def require_peft() -> ModuleType:
+    """peft, or a one-line error naming the extra that installs it."""
     try:
         import peft
     except ImportError:
@@ -86,7 +88,7 @@ def apply_lora(
     nothing, match a layer that is not an `nn.Linear`, or a layer whose weight is tied to another
     (the merge would change both), are refused.
     """
-    peft = _peft()
+    peft = require_peft()
     targets = lcfg.target_modules
     config = peft.LoraConfig(
         r=lcfg.rank,
@@ -192,7 +194,7 @@ def merged_model(model: PeftModel) -> torch.nn.Module:
 
 def adapter_state(model: PeftModel) -> dict[str, torch.Tensor]:
     """The adapter's tensors as peft saves them (``...lora_A.weight``, ``...lora_B.weight``)."""
-    return _peft().get_peft_model_state_dict(model)
+    return require_peft().get_peft_model_state_dict(model)
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> None:
@@ -232,7 +234,7 @@ def load_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> None:
             f"unexpected {unexpected[:3]}, other shapes {shapes[:3]}; was lora.target_modules "
             "or model.path changed?"
         )
-    result = _peft().set_peft_model_state_dict(model, state)
+    result = require_peft().set_peft_model_state_dict(model, state)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(
             f"checkpoint {adapter_dir}: adapter tensors not loaded: {result.unexpected_keys[:3]}"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from weir.config.devices import DTYPES
-from weir.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged_model
+from weir.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged_model, require_peft
 
 
 def adapter_base(adapter_dir: Path, base: str | None = None) -> str:
@@ -55,8 +55,9 @@ def export_lora(
     """Write the LoRA checkpoint's model (`adapter_dir`) to `out`: merged weights, or with
     `adapter` the adapter alone. The base loads in the adapter's dtype (the trainer's master
     dtype), so the merge is the trainer's; `dtype` (float32, bfloat16) converts the result."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    PeftModel = require_peft().PeftModel  # a one-line error naming the extra when peft is missing
 
     base_path = adapter_base(adapter_dir, base)
     master = _adapter_dtype(adapter_dir)
