@@ -172,7 +172,8 @@ def engine_placement(cfg: Config, model: torch.nn.Module) -> tuple[torch.device,
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
-    """The built-in engine on the trainer's module (colocated sync) or on its own copy.
+    """The built-in engine on the trainer's module (colocated sync) or on its own copy (always
+    for LoRA: a plain model holding the merged weights).
 
     Asynchronous training always copies: the trainer updates its weights while the engine decodes.
     So does an engine on another device or in another dtype than the trainer's (fp32 master
@@ -181,9 +182,8 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
     concurrent = cfg.loop.mode == "async"
     device, dtype = engine_placement(cfg, model)
     p = next(model.parameters())
-    if (
-        cfg.lora.enabled
-    ):  # the engine runs a plain copy holding the merged weights (weir.train.lora)
+    if cfg.lora.enabled:
+        # the engine runs a plain copy holding the merged weights W + s B A (weir.train.lora)
         from weir.train.lora import merged_model
 
         model = merged_model(model).to(device=device, dtype=dtype).eval()
