@@ -12,7 +12,8 @@ PY_VERSION=${PY_VERSION:-3.12}
 # weir's own dependencies a torch+transformers image usually lacks, plus the test tools
 NAMES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions pyyaml typer
        click rich markdown-it-py mdurl pygments shellingham math-verify latex2sympy2-extended
-       antlr4-python3-runtime hypothesis sortedcontainers pytest pluggy iniconfig packaging)
+       antlr4-python3-runtime hypothesis sortedcontainers pytest pluggy iniconfig packaging
+       peft accelerate psutil)
 mkdir -p "$DIR"
 for name in "${NAMES[@]}"; do
   version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) || {

@@ -6,15 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 import weir
 
 EASY = str(Path(__file__).parents[2] / "examples" / "arithmetic_quick.yaml")
+LORA = str(Path(__file__).parents[2] / "examples" / "lora.yaml")
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory) -> Path:
+    """The SFT warm start both learning runs begin from (the same sft section in both configs)."""
+    return weir.sft(EASY, [f"run.dir={tmp_path_factory.mktemp('learning') / 'sft'}"])
 
 
 @pytest.mark.slow
-def test_grpo_raises_reward_after_sft(tmp_path):
-    sft_model = weir.sft(EASY, [f"run.dir={tmp_path / 'sft'}"])
+def test_grpo_raises_reward_after_sft(tmp_path, sft_model):
     result = weir.run(
         EASY, [f"run.dir={tmp_path / 'rl'}", f"model.path={sft_model}", "run.steps=20"]
     )
@@ -37,3 +45,24 @@ def test_grpo_raises_reward_after_sft(tmp_path):
         assert key in lines[-1], key
     assert lines[-1]["mismatch/abs_logp_diff"] < 1e-4  # the built-in engine is on-policy
     assert (result.model_dir / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_lora_grpo_raises_reward_after_sft(tmp_path, sft_model):
+    """LoRA adapters alone (base weights frozen) learn the task in 10 steps."""
+    pytest.importorskip("peft")
+    result = weir.run(
+        LORA, [f"run.dir={tmp_path / 'lora'}", f"model.path={sft_model}", "run.steps=10"]
+    )
+    rewards = [h["reward/mean"] for h in result.history if "reward/mean" in h]
+    assert len(rewards) == 10
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert end > start + 0.08, rewards
+    before, after = result.evals[0]["eval/accuracy"], result.evals[-1]["eval/accuracy"]
+    assert after > before + 0.3, (before, after)
+    last = json.loads((result.dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["mismatch/abs_logp_diff"] < 1e-4  # the merged engine: on-policy to rounding
+    base = AutoModelForCausalLM.from_pretrained(sft_model)
+    trained = AutoModelForCausalLM.from_pretrained(result.model_dir)  # merged
+    moved = {n for n, p in trained.named_parameters() if not torch.equal(p, base.get_parameter(n))}
+    assert moved and all(n.endswith("proj.weight") for n in moved)  # only the adapted layers

@@ -110,13 +110,21 @@ def export(
     dtype: Annotated[
         str | None, typer.Option(help="Convert the weights: float32 or bfloat16.")
     ] = None,
+    adapter: Annotated[
+        bool,
+        typer.Option("--adapter", help="LoRA run: write the adapter alone (peft), not merged."),
+    ] = False,
+    base: Annotated[
+        str | None, typer.Option(help="LoRA run: the base model, if not where the run found it.")
+    ] = None,
 ) -> None:
     """Export a checkpoint as a standard Hugging Face model directory (safetensors, config, tokenizer)."""
     from weir.train.export import export_model
 
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"--dtype {dtype}: use float32 or bfloat16")
-    console.print(f"exported to {export_model(checkpoint, out, dtype)}")
+    written = export_model(checkpoint, out, dtype, adapter=adapter, base=base)
+    console.print(f"exported to {written}")
 
 
 @app.command()

@@ -531,6 +531,26 @@ class ClusterConfig(Section):
     """On Ray, score rewards in this many Ray actors (off the driver); 0 scores in driver threads."""
 
 
+class LoraConfig(Section):
+    """LoRA adapters (through peft) instead of training every weight (docs/lora.md)."""
+
+    enabled: bool = False
+    """Train low-rank adapters on the target modules; the base weights stay frozen. The engine
+    gets the merged weights W + (alpha / rank) B A; checkpoints hold only the adapters."""
+    rank: int = Field(8, ge=1)
+    """r, the rank of each adapter: A is r x in_features, B is out_features x r."""
+    alpha: float = Field(16.0, gt=0)
+    """The adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with `rslora`)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Linear layers to adapt: module-name suffixes (e.g. [q_proj, v_proj]) or `all-linear`
+    (every linear layer but the output head)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input in the trainer's gradient forward only; old, reference and
+    engine log-probs never see it (so with dropout > 0 the first update's ratio is not exactly 1)."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(rank) instead of alpha / rank."""
+
+
 class Config(Section):
     """The whole run. Load from YAML with `load_config`; override with dotted keys."""
 
@@ -551,6 +571,7 @@ class Config(Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -608,6 +629,11 @@ class Config(Section):
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
         self._warn_behavior_logprobs()
+        if self.lora.enabled and cl.type == "ray":
+            raise ValueError(
+                "lora.enabled runs on cluster.type=local only (weir's FSDP2 trainer ranks do not "
+                "wrap peft adapters): set cluster.type=local or lora.enabled=false"
+            )
         return self
 
     def _warn_behavior_logprobs(self) -> None:

@@ -87,6 +87,10 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from weir.train.lora import is_adapter_dir, is_lora, load_adapter
+
+    if is_adapter_dir(model_dir) or is_lora(model):  # a LoRA run's checkpoint holds its adapter
+        return load_adapter(model, model_dir)
     if not sorted(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     dtype = next(model.parameters()).dtype

@@ -174,7 +174,8 @@ def engine_placement(cfg: Config, model: torch.nn.Module) -> tuple[torch.device,
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
-    """The built-in engine on the trainer's module (colocated sync) or on its own copy.
+    """The built-in engine on the trainer's module (colocated sync) or on its own copy (always
+    for LoRA: a plain model holding the merged weights).
 
     Asynchronous training always copies: the trainer updates its weights while the engine decodes.
     So does an engine on another device or in another dtype than the trainer's (fp32 master
@@ -183,7 +184,12 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
     concurrent = cfg.loop.mode == "async"
     device, dtype = engine_placement(cfg, model)
     p = next(model.parameters())
-    if concurrent or not cfg.engine.share_weights or (p.device, p.dtype) != (device, dtype):
+    if cfg.lora.enabled:
+        # the engine runs a plain copy holding the merged weights W + s B A (weir.train.lora)
+        from weir.train.lora import merged_model
+
+        model = merged_model(model).to(device=device, dtype=dtype).eval()
+    elif concurrent or not cfg.engine.share_weights or (p.device, p.dtype) != (device, dtype):
         model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
     engine = TorchEngine(
         model,
@@ -277,7 +283,15 @@ def build(
         ray_parts = build_ray(cfg, run_dir, run_model_path(cfg, run_dir))
         trainer, engine = ray_parts.trainer, ray_parts.router
     else:
-        trainer = Actor(model, ActorSettings.from_config(cfg))
+        if cfg.lora.enabled:  # adapters on the trainer's model (weir.train.lora)
+            from weir.train.lora import LoraActor, apply_lora
+
+            model = apply_lora(
+                model, cfg.lora, base_path=run_model_path(cfg, run_dir), seed=cfg.run.seed
+            )
+            trainer = LoraActor(model, ActorSettings.from_config(cfg))
+        else:
+            trainer = Actor(model, ActorSettings.from_config(cfg))
         if cfg.engine.type == "torch":
             engine = make_engine(cfg, model, tokenizer)
             if cfg.model.selfcheck:

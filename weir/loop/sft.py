@@ -8,6 +8,7 @@ from weir.config import Config
 from weir.data.prompts import PromptTooLong
 from weir.data.sources import load_rows
 from weir.loop.components import PromptEncoder, load_run_model
+from weir.loop.resume import say
 from weir.loop.run import Run, run_dir_of
 from weir.loop.selfcheck import check_packing, probe_length
 from weir.tasks import get_task
@@ -48,6 +49,8 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int]
 def run_sft(cfg: Config) -> Path:
     """Warm-start `cfg.model.path` on SFT data; returns the saved model directory (<run dir>/model)."""
     model, tokenizer = load_run_model(cfg, run_dir_of(cfg))
+    if cfg.lora.enabled:
+        say("lora.* applies to weir train; weir sft trains every weight (the adapters' base)")
     if cfg.model.selfcheck:  # the packing half of the start-up self-check (SFT has no engine)
         limit = int(getattr(model.config, "max_position_embeddings", 2048))
         avoid = {tokenizer.pad_token_id, *eos_token_ids(model, tokenizer)}

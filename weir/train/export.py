@@ -33,15 +33,35 @@ def find_model_dir(source: str | Path) -> tuple[Path, dict]:
     )
 
 
-def export_model(source: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+def export_model(
+    source: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    *,
+    adapter: bool = False,
+    base: str | None = None,
+) -> Path:
     """Write the model of `source` to `out` as safetensors + config + tokenizer, loadable with
     `AutoModelForCausalLM.from_pretrained(out)`; it is loaded and re-saved, so what is written is
-    known to load. `dtype` (float32, bfloat16) converts the weights."""
+    known to load. `dtype` (float32, bfloat16) converts the weights. A LoRA checkpoint is merged
+    into its base model (`base` overrides the one it records), or with `adapter` written as the
+    adapter alone (weir.train.lora_export)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from weir.train.lora import is_adapter_dir
     from weir.train.model import DTYPES
 
     model_dir, origin = find_model_dir(source)
+    if adapter and origin.get("final") and is_adapter_dir(model_dir.parent / "adapter"):
+        model_dir = model_dir.parent / "adapter"  # a finished LoRA run: model/ is merged
+    if is_adapter_dir(model_dir):
+        from weir.train.lora_export import export_lora
+
+        if Path(out).resolve() == model_dir.resolve():
+            raise ValueError(f"--out {out} is the source directory; choose another")
+        return export_lora(model_dir, Path(out), origin, dtype=dtype, adapter=adapter, base=base)
+    if adapter:
+        raise ValueError(f"--adapter: {source} was not trained with LoRA (it holds a whole model)")
     if not (model_dir / "config.json").exists():
         raise ValueError(f"{model_dir} is not an HF model directory (no config.json)")
     out = Path(out)
