@@ -55,7 +55,7 @@ def bench_ray(size: str, model_dir: str, pushes: int, root: Path) -> list[dict]:
                 stats = sync.push(version := version + 1)
                 times.append(stats["time/sync"])
                 deliver.append(stats["sync/deliver_s"])
-                want = ray.get(parts.trainer.rank0.weights_hash.remote())
+                want = parts.trainer.call("weights_hash")[0]
                 got = ray.get([r.weights_hash.remote() for r in parts.router.replicas])
                 assert got == [want] * len(got), f"{transport}: engine weights differ"
             mb = stats["sync/mb"]
