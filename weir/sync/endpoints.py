@@ -309,7 +309,12 @@ class SyncEngineWorker(EngineWorker):
         return weights_hash(self.engine.model.state_dict(), names)
 
     async def memory(self) -> dict[str, int]:
-        return {"rss": rss(), "peak": peak_rss(), "kv": int(self.engine.kv_stats()["kv_bytes"])}
+        """Resident memory now and at its peak, the KV cache's bytes and, on CUDA, the bytes torch
+        has allocated on the device."""
+        device = next(self.engine.model.parameters()).device
+        cuda = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        kv = int(self.engine.kv_stats()["kv_bytes"])
+        return {"rss": rss(), "peak": peak_rss(), "kv": kv, "cuda": cuda}
 
     async def reset_memory_peak(self) -> None:
         reset_peak_rss()

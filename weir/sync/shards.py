@@ -49,16 +49,21 @@ def wire_metas(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> 
     return metas
 
 
-def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Collective for a DTensor: the whole tensor on `device` (every rank gets it). A shard kept
-    in host memory (FSDP2 CPU offload) is moved to `device` first, since NCCL gathers on the GPU.
-    A plain tensor (a buffer FSDP2 does not shard) is the same on every rank: no collective."""
+def full_tensor(
+    t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Collective for a DTensor: the whole tensor on `device` (every rank gets it), in `dtype` when
+    given (a floating tensor is cast before the all-gather, so a bfloat16 sync moves half the
+    bytes of the float32 masters). A shard kept in host memory (FSDP2 CPU offload) is moved to
+    `device` first, since NCCL gathers on the GPU. A plain tensor (a buffer FSDP2 does not shard)
+    is the same on every rank: no collective."""
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
     if not isinstance(t, DTensor):
-        return t.detach().to(device)
+        return t.detach().to(device, cast)
     local = t.to_local().detach()
-    if local.device != device:
+    if local.device != device or local.dtype != cast:
         t = DTensor.from_local(
-            local.to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+            local.to(device, cast), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
         )
     return t.detach().full_tensor()
 
@@ -81,12 +86,12 @@ def gather_buckets(
     for bucket in buckets:
         if not root:
             for m in bucket:
-                full_tensor(state[m.name], device)
+                full_tensor(state[m.name], device, m.torch_dtype)
             yield None
             continue
         dtype = bucket[0].torch_dtype
         if len(bucket) == 1 and not shareable:
-            yield full_tensor(state[bucket[0].name], device).reshape(-1).to(dtype)
+            yield full_tensor(state[bucket[0].name], device, dtype).reshape(-1)
             continue
         numel = sum(m.numel for m in bucket)
         if shareable:
@@ -95,7 +100,7 @@ def gather_buckets(
             flat = torch.empty(numel, dtype=dtype, device=device)
         offset = 0
         for m in bucket:
-            full = full_tensor(state[m.name], device)
+            full = full_tensor(state[m.name], device, dtype)
             flat[offset : offset + m.numel].copy_(full.reshape(-1))
             offset += m.numel
             del full
@@ -113,10 +118,7 @@ def sharded_hash(
     computed one gathered tensor at a time. Every rank returns the hash."""
     h = hashlib.sha256()
     for name in sorted(state if names is None else names):
-        t = full_tensor(state[name], device)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        t = t.to("cpu").contiguous()
+        t = full_tensor(state[name], device, dtype).to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
