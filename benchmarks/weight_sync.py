@@ -54,7 +54,12 @@ def bench_ray(
     try:
         for transport in ("broadcast",) if colocate else ("broadcast", "disk", "object_store"):
             sync = WeightSync(
-                parts.trainer, parts.router, transport, disk_dir=root / "weights", bucket_mb=64
+                parts.trainer,
+                parts.router,
+                transport,
+                disk_dir=root / "weights",
+                bucket_mb=64,
+                host_handles=colocate,
             )
             sync.push(version := version + 1)  # warm-up (forms the broadcast group once)
             times, deliver, rise = [], [], []
