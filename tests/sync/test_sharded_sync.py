@@ -150,6 +150,7 @@ def test_colocated_sync_streams_buckets_by_handle_and_engines_sleep(ray_local, w
         with router.asleep():
             asleep = [ray.get(e.memory.remote())["kv"] for e in engines]
             flags = [ray.get(e.stats.remote())["asleep"] for e in engines]
+        print(f"engine KV cache {kv_awake / MB:.2f} MB awake, {sum(asleep) / MB:.2f} MB asleep")
         assert kv_awake > 0 and asleep == [0] and flags == [1.0]
         assert generate() == before
         assert all(s["asleep"] == 0.0 for s in ray.get([e.stats.remote() for e in engines]))
