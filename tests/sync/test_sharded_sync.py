@@ -4,8 +4,8 @@ Two trainer ranks, an engine replica in rank 0's bundle (cluster.colocate). Rank
 bucket at a time (with rank 1) and hands it to the replica by shared-memory handle (the CPU counterpart of CUDA
 IPC), cast to the engines' bfloat16 before the gathers, so no process holds the full weights.
 Measured here: rank 0's peak resident memory during a sync (against the old full gather in the same
-process), the engines' weights against the trainer's, and an engine's KV memory and outputs across
-sleep / wake.
+process), the engines' weights against the trainer's, an engine's KV memory and outputs across
+sleep / wake, and a replica restarted with no peer getting the current version from the shards.
 """
 
 from __future__ import annotations
@@ -154,6 +154,14 @@ def test_colocated_sync_streams_buckets_by_handle_and_engines_sleep(ray_local, w
         assert kv_awake > 0 and asleep == [0] and flags == [1.0]
         assert generate() == before
         assert all(s["asleep"] == 0.0 for s in ray.get([e.stats.remote() for e in engines]))
+
+        # restarted with no live peer: the current version is streamed to it from the shards
+        router.restore = sync.restore
+        ray.kill(engines[0], no_restart=False)
+        assert len(generate()) == 4  # the request waits for the restarted replica
+        assert router.restarts == 1
+        assert ray.get(engines[0].weights_hash.remote(None)) == want
+        assert ray.get(engines[0].version.remote()) == 2
         router.close()
         trainer.shutdown()
     finally:
