@@ -10,7 +10,9 @@ weights with bfloat16 compute, a bfloat16 engine:
   FLOPs not counted, so MFU is slightly understated);
 - peak GPU memory of each phase and the step's time split (generate, train, weight sync);
 - optionally `--grpo-steps N`: N GRPO steps of the full weir loop (`weir.run`) with the 0.5B
-  shape locally, and on Ray (one GPU, colocated) with `--ray`.
+  shape locally, and on Ray (one GPU, colocated: trainer offloaded while the engine generates, the
+  engine asleep while the trainer trains, weights by CUDA IPC; sync seconds per GB reported) with
+  `--ray`.
 
     python benchmarks/gpu_step.py                        # both shapes, 256 prompts x 8 x 512
     python benchmarks/gpu_step.py --quick                # 32 prompts x 8 x 128: a smoke run
@@ -290,6 +292,7 @@ def grpo_run(shape: str, steps: int, device: torch.device, ray: bool, out_dir: P
             "cluster.engines.gpus=0.5",
             "cluster.trainer.cpus_per_rank=1",
             "cluster.colocate=true",
+            "engine.sleep_offload_weights=true",  # the engine sleeps without its weights too
         ]
     elif device.type != "cuda":
         overrides += ["train.device=cpu"]
@@ -304,6 +307,10 @@ def grpo_run(shape: str, steps: int, device: torch.device, ray: bool, out_dir: P
         "reward_last": steps_done[-1].get("reward/mean") if steps_done else None,
         "mismatch_abs_logp_diff_max": max(
             (h.get("mismatch/abs_logp_diff", 0.0) for h in steps_done), default=None
+        ),
+        "sync_gb": steps_done[-1].get("sync/mb", 0.0) / 1024 if steps_done else None,
+        "sync_s_per_gb": sorted(
+            h["time/sync"] / (h["sync/mb"] / 1024) for h in steps_done if h.get("sync/mb")
         ),
         "time_split_mean": {
             k: sum(h[k] for h in steps_done if k in h) / max(1, len(steps_done))

@@ -1,8 +1,11 @@
 """Weight sync: time and throughput of each transport, trainer -> engines, on a local Ray cluster.
 
 For each model size, 2 FSDP2 trainer ranks and 2 engine replicas run as Ray actors; every push
-gathers the full weights on trainer rank 0 and delivers them to both replicas with one transport
-(broadcast over a gloo group, disk via safetensors, Ray's object store). The in-process transport
+delivers the weights to both replicas with one transport: broadcast (streamed from the shards
+bucket by bucket over a gloo group), handles (the same stream, colocated: shared-memory handles),
+disk via safetensors and Ray's object store (these two gather the full weights on rank 0). The
+rise of rank 0's resident memory during a push is reported too (glibc's heap may hide part of it:
+see docs/distributed.md). The in-process transport
 (one process, the engine on its own copy of the model) is timed for comparison. After every push
 the replicas' weights are hashed and compared with the trainer's.
 
@@ -24,7 +27,9 @@ from pathlib import Path
 import torch
 
 
-def bench_ray(size: str, model_dir: str, pushes: int, root: Path) -> list[dict]:
+def bench_ray(
+    size: str, model_dir: str, pushes: int, root: Path, colocate: bool = False
+) -> list[dict]:
     import ray
 
     from weir.config import build_config
@@ -39,27 +44,38 @@ def bench_ray(size: str, model_dir: str, pushes: int, root: Path) -> list[dict]:
             "cluster.engines.replicas=2",
             "cluster.trainer.cpus_per_rank=0.5",
             "cluster.engines.cpus=0.5",
+            f"cluster.colocate={colocate}",
         ],
     )
     parts = build_ray(cfg, root, model_dir)
+    rank0 = parts.trainer.rank0
     rows = []
     version = 0
     try:
-        for transport in ("broadcast", "disk", "object_store"):
+        for transport in ("broadcast",) if colocate else ("broadcast", "disk", "object_store"):
             sync = WeightSync(
-                parts.trainer, parts.router, transport, disk_dir=root / "weights", bucket_mb=64
+                parts.trainer,
+                parts.router,
+                transport,
+                disk_dir=root / "weights",
+                bucket_mb=64,
+                host_handles=colocate,
             )
             sync.push(version := version + 1)  # warm-up (forms the broadcast group once)
-            times, deliver = [], []
+            times, deliver, rise = [], [], []
             for _ in range(pushes):
+                ray.get(rank0.reset_memory_peak.remote())
+                before = ray.get(rank0.memory.remote())["rss"]
                 stats = sync.push(version := version + 1)
+                rise.append((ray.get(rank0.memory.remote())["peak"] - before) / 2**20)
                 times.append(stats["time/sync"])
                 deliver.append(stats["sync/deliver_s"])
-                want = ray.get(parts.trainer.rank0.weights_hash.remote())
+                want = parts.trainer.call("weights_hash")[0]
                 got = ray.get([r.weights_hash.remote() for r in parts.router.replicas])
                 assert got == [want] * len(got), f"{transport}: engine weights differ"
             mb = stats["sync/mb"]
-            rows.append(_row(size, transport, mb, times, deliver))
+            name = "handles" if colocate else transport
+            rows.append({**_row(size, name, mb, times, deliver), "rank0_rise_mb": max(rise)})
     finally:
         parts.shutdown()
     return rows
@@ -122,12 +138,18 @@ def main() -> None:
             model_dir = str(build_tiny_model(Path(tmp) / size, size=size, seed=0))
             rows.append(bench_in_process(size, model_dir, args.pushes))
             rows += bench_ray(size, model_dir, args.pushes, Path(tmp) / f"run-{size}")
+            rows += bench_ray(size, model_dir, args.pushes, Path(tmp) / f"co-{size}", True)
     ray.shutdown()
-    print(f"{'size':6} {'transport':13} {'MB':>8} {'sync s':>8} {'deliver s':>10} {'MB/s':>9}")
+    print(
+        f"{'size':6} {'transport':13} {'MB':>8} {'sync s':>8} {'deliver s':>10} {'MB/s':>9} "
+        f"{'rank 0 +MB':>10}"
+    )
     for r in rows:
+        rise = r.get("rank0_rise_mb")
         print(
             f"{r['size']:6} {r['transport']:13} {r['mb']:8.2f} {r['sync_s']:8.3f} "
-            f"{r['deliver_s']:10.3f} {r['mb_per_s']:9.1f}"
+            f"{r['deliver_s']:10.3f} {r['mb_per_s']:9.1f} "
+            f"{'' if rise is None else f'{rise:10.1f}'}"
         )
 
 

@@ -45,6 +45,7 @@ if [ -n "$missing" ]; then
 fi
 
 export PYTHONUNBUFFERED=1
+export GPU_CHECK_OUT="$OUTDIR"  # GPU tests that measure something write their figures here
 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml "$OUTDIR/gpu_tests.xml" \
   2>&1 | tee "$OUTDIR/gpu_tests.log"
 status=${PIPESTATUS[0]}

@@ -23,4 +23,16 @@ for name in "${NAMES[@]}"; do
     --platform manylinux2014_x86_64 -d "$DIR" "$name==$version" \
     || "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR" "$name==$version"
 done
+# Ray and everything it depends on, for the colocated Ray run (tests/gpu/test_colocated_ray.py,
+# benchmarks/gpu_step.py --ray); GPU_WHEELS_RAY=0 leaves it out
+if [ "${GPU_WHEELS_RAY:-1}" != 0 ]; then
+  if version=$("$PY" -c "import importlib.metadata as m; print(m.version('ray'))" 2>/dev/null); then
+    "$PY" -m pip download -q --only-binary=:all: --python-version "$PY_VERSION" \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$DIR" "ray==$version" \
+      || echo "gpu_wheels: could not download ray $version and its dependencies" >&2
+  else
+    echo "gpu_wheels: ray is not installed in $PY; skipped" >&2
+  fi
+fi
 ls "$DIR"

@@ -36,8 +36,13 @@ def _parity(sample, row) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_loop_runs_on_ray(ray_local, tmp_path, mode):
+    # sync: colocated (engines asleep while the ranks train, weights by shared-memory handle);
+    # async: disaggregated (weights through the broadcast group)
+    placement = [f"cluster.colocate={mode == 'sync'}"]
     result = weir.run(
-        {**SMALL, "loop": {"mode": mode}}, [f"run.dir={tmp_path}", *RAY], reward=_parity
+        {**SMALL, "loop": {"mode": mode}},
+        [f"run.dir={tmp_path}", *RAY, *placement],
+        reward=_parity,
     )
     steps = [h for h in result.history if "reward/mean" in h]
     assert len(steps) == 2
@@ -56,7 +61,7 @@ def test_the_loop_runs_on_ray(ray_local, tmp_path, mode):
     if mode == "sync":  # resume from the final checkpoint: weights and optimizer go to the ranks
         more = weir.run(
             {**SMALL, "run": {**SMALL["run"], "steps": 3}},
-            [f"run.dir={tmp_path}", *RAY],
+            [f"run.dir={tmp_path}", *RAY, *placement],
             reward=_parity,
         )
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

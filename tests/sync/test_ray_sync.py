@@ -49,7 +49,7 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
             trainer.train(batch)
             stats = sync.push(version)
             assert stats["sync/mb"] > 0.1 and stats["time/sync"] > 0
-            want = ray.get(trainer.rank0.weights_hash.remote())
+            want = trainer.call("weights_hash")[0]
             got = ray.get([e.weights_hash.remote(None) for e in engines])
             versions = ray.get([e.version.remote() for e in engines])
             assert want != initial

@@ -521,12 +521,17 @@ class ClusterConfig(Section):
     colocate: bool = False
     """Place each engine replica in a trainer rank's bundle (sharing its CPUs/GPUs) instead of its own."""
     weight_sync: Literal["auto", "broadcast", "disk", "object_store"] = "auto"
-    """Transport of new weights to Ray engines: broadcast (torch.distributed), disk (safetensors), or
-    object_store (Ray's); auto = broadcast."""
+    """Transport of new weights to Ray engines: broadcast (streamed from the trainer's shards bucket
+    by bucket: torch.distributed, CUDA IPC / shared memory for engines on rank 0's device), disk
+    (safetensors), or object_store (Ray's); auto = broadcast. disk and object_store gather the full
+    weights on rank 0."""
     sync_dir: str | None = None
     """Directory of the disk transport (shared by trainer and engines); default <run dir>/weights."""
     bucket_mb: float = Field(64.0, gt=0)
     """Size of one broadcast bucket of the weight sync."""
+    offload_trainer: bool = True
+    """With colocate on GPUs: trainer ranks keep parameters, gradients and optimizer state in host
+    memory except while they train, so the engines on their GPUs have it to generate."""
     reward_workers: int = Field(2, ge=0)
     """On Ray, score rewards in this many Ray actors (off the driver); 0 scores in driver threads."""
 

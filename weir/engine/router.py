@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +67,8 @@ class Router:
         self._lock = threading.Lock()
         self._recovering: set[int] = set()
         self._closed = False
+        self.sleep_mode = False  # see `asleep`
+        self.sleep_offload_weights = False
 
     # -- routing ------------------------------------------------------------------------------------
 
@@ -182,6 +184,27 @@ class Router:
 
     def abort_sync(self) -> None:
         self._each("abort")
+
+    def sleep_sync(self, offload_weights: bool = False) -> None:
+        """Every replica frees its KV cache (and with `offload_weights` parks its weights in host
+        memory) until `wake_sync`."""
+        self._each("sleep", offload_weights)
+
+    def wake_sync(self) -> None:
+        self._each("wake")
+
+    @contextlib.contextmanager
+    def asleep(self) -> Iterator[None]:
+        """With `sleep_mode` (colocated replicas): asleep for the block (the trainer trains on
+        their devices), awake after it, also on error. Without it: nothing happens."""
+        if not self.sleep_mode:
+            yield
+            return
+        self.sleep_sync(self.sleep_offload_weights)
+        try:
+            yield
+        finally:
+            self.wake_sync()
 
     async def pause(self) -> None:
         await asyncio.to_thread(self.pause_sync)

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from weir.cluster import RayCluster
 from weir.cluster.rewards import RewardPool
 from weir.config import Config
+from weir.config.devices import resolve_dtype
 from weir.engine.router import Router
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
@@ -63,7 +66,10 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
         ]
         ray.get([r.ping.remote() for r in replicas])
         router = Router(replicas)
+        router.sleep_mode = c.colocate and cfg.engine.sleep_while_training
+        router.sleep_offload_weights = cfg.engine.sleep_offload_weights
         transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
+        engine_device = torch.device("cuda" if c.engines.gpus > 0 else "cpu")
         sync = WeightSync(
             trainer,
             router,
@@ -71,6 +77,8 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
             disk_dir=c.sync_dir or run_dir / "weights",
             bucket_mb=c.bucket_mb,
             backend="nccl" if c.trainer.gpus_per_rank > 0 and c.engines.gpus > 0 else "gloo",
+            dtype=str(resolve_dtype(cfg.engine.dtype, engine_device)).removeprefix("torch."),
+            host_handles=c.colocate,
         )
         router.restore = sync.restore
     except BaseException:

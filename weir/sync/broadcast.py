@@ -12,7 +12,7 @@ the extra memory is one bucket.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -102,23 +102,33 @@ class BroadcastGroup:
 
     def send(self, state: Mapping[str, Tensor], buckets: list[list[TensorMeta]]) -> int:
         """Root: broadcast `state` bucket by bucket; returns the bytes sent."""
-        assert self.rank == 0, "only rank 0 sends"
         sent = 0
         for bucket in buckets:
             flat = torch.cat([state[m.name].detach().reshape(-1).to(self.device) for m in bucket])
-            self._broadcast(flat)
-            sent += flat.numel() * flat.element_size()
+            sent += self.send_flat(flat)
         return sent
+
+    def send_flat(self, flat: Tensor) -> int:
+        """Root: broadcast one bucket's flat buffer (moved to the group's device if it is not
+        there); returns its bytes."""
+        assert self.rank == 0, "only rank 0 sends"
+        self._broadcast(flat if flat.device == self.device else flat.to(self.device))
+        return flat.numel() * flat.element_size()
 
     def recv(self, buckets: list[list[TensorMeta]]) -> dict[str, Tensor]:
         """Receiver: the tensors of every bucket, by name."""
+        return dict(self.recv_stream(buckets))
+
+    def recv_stream(self, buckets: list[list[TensorMeta]]) -> Iterator[tuple[str, Tensor]]:
+        """Receiver: (name, tensor) of each bucket as it arrives; the tensors are views of the
+        bucket's buffer, which is received only when the previous bucket's tensors were consumed,
+        so a consumer that copies them and lets go holds one bucket at a time."""
         assert self.rank != 0, "rank 0 sends"
-        out: dict[str, Tensor] = {}
         for bucket in buckets:
             flat = torch.empty(
                 sum(m.numel for m in bucket), dtype=bucket[0].torch_dtype, device=self.device
             )
             self._broadcast(flat)
             for m, part in zip(bucket, flat.split([m.numel for m in bucket]), strict=True):
-                out[m.name] = part.view(m.shape)
-        return out
+                yield m.name, part.view(m.shape)
+            del flat, part

@@ -1,14 +1,19 @@
-"""The driver side of a weight sync on Ray: trainer rank 0 -> every engine replica, versioned.
+"""The driver side of a weight sync on Ray: trainer shards -> every engine replica, versioned.
 
 Transports:
 
-- ``broadcast``: a torch.distributed group of rank 0 and the engines (gloo on CPU, NCCL on GPU),
-  bucketed. The group is re-formed when the set of live replicas changes (a replica died).
-- ``disk``: rank 0 writes a versioned safetensors directory (`DiskStore`); engines read it.
-- ``object_store``: rank 0's full weights go into Ray's object store; engines read them there.
+- ``broadcast`` (default): streamed from the FSDP2 shards bucket by bucket (`SyncTrainerRank.stream`):
+  every trainer rank gathers the bucket on its device, rank 0 sends it and frees it. Engines on
+  rank 0's own GPU (or, colocated on the CPU, its host) take it by memory handle (CUDA IPC /
+  shared memory: NCCL refuses two ranks on one GPU); the others through a torch.distributed group
+  of rank 0 and them (NCCL on GPUs, gloo on CPU), re-formed when the set of live replicas changes.
+  No process holds the full weights.
+- ``disk``: rank 0 gathers the full weights and writes a versioned safetensors directory
+  (`DiskStore`); engines read it.
+- ``object_store``: rank 0 gathers the full weights into Ray's object store; engines read them.
 
-A replica that Ray restarted gets the current weights through the object store from rank 0's
-cache (`restore`), before the router lets it take requests.
+A replica that Ray restarted gets the current version from a live peer replica, or, when none is
+left, streamed from the shards as long as the trainer has not changed them since the last push.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import itertools
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from weir.sync.broadcast import TensorMeta, plan_buckets
@@ -25,6 +29,10 @@ from weir.sync.broadcast import TensorMeta, plan_buckets
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("broadcast", "disk", "object_store")
+
+
+class NotRestorable(RuntimeError):
+    """A restarted replica cannot get the current version yet (the router asks again)."""
 
 
 class WeightSync:
@@ -35,8 +43,13 @@ class WeightSync:
         router: the engines' `Router` (its `restore` should be this object's `restore`).
         transport: one of TRANSPORTS.
         disk_dir: the disk transport's directory (shared by trainer and engines).
-        bucket_mb: broadcast bucket size.
+        bucket_mb: bucket size of the streamed sync.
         backend: "gloo" or "nccl" for the broadcast group.
+        dtype: the engines' weight dtype (e.g. "bfloat16"): floating tensors are cast to it on the
+            trainer's device before they travel; None sends the trainer's dtype.
+        host_handles: engines on rank 0's host (both on the CPU) take buckets by shared-memory
+            handle instead of the broadcast group (colocated placement). Engines on rank 0's GPU
+            always take CUDA IPC handles.
     """
 
     def __init__(
@@ -45,9 +58,11 @@ class WeightSync:
         router,
         transport: str = "broadcast",
         *,
-        disk_dir: str | Path | None = None,
+        disk_dir=None,
         bucket_mb: float = 64.0,
         backend: str = "gloo",
+        dtype: str | None = None,
+        host_handles: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -58,16 +73,18 @@ class WeightSync:
         self.trainer, self.router, self.transport = trainer, router, transport
         self.disk_dir = str(disk_dir) if disk_dir is not None else None
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.backend = backend
+        self.backend, self.dtype, self.host_handles = backend, dtype, host_handles
         self.version = router.version
         self._members: tuple[int, ...] | None = None  # replicas in the current broadcast group
+        self._shared: list[int] = []  # replicas that take memory handles
         self._generation = itertools.count()
         self._buckets: list[list[TensorMeta]] | None = None
         self._pushed = False
+        self._trained_at_push = 0
         self._lock = threading.Lock()  # a push and a restore never interleave
 
     def push(self, version: int) -> dict[str, float]:
-        """Gather full weights on rank 0 and deliver them as `version`; returns timings."""
+        """Deliver the trainer's current weights as `version`; returns timings."""
         with self._lock:
             return self._push(version)
 
@@ -75,23 +92,31 @@ class WeightSync:
         import ray
 
         start = time.perf_counter()
-        metas = self.trainer.call("gather")[0]
-        gathered = time.perf_counter()
-        nbytes = sum(m.nbytes for m in metas)
         live = self.router.live()
+        gathered = start
         if self.transport == "broadcast":
             try:
-                self._broadcast(metas, live, version)
-            except Exception as err:  # a replica died mid-broadcast: deliver this one another way
-                log.warning("weight broadcast failed (%s); using the object store", err)
+                nbytes = self._stream(live, version)
+            except Exception as err:  # a replica died mid-sync: once more with the live ones
+                log.warning("weight sync failed (%s); forming a new group and retrying", err)
                 self._members = None
-                self._object_store(self.router.live(), version)
-        elif self.transport == "disk":
-            self.trainer.get([self.trainer.rank0.write.remote(self.disk_dir, version)])
-            ray.get([r.load_disk.remote(self.disk_dir, version) for _, r in live])
+                nbytes = self._stream(self._answering(self.router.live()), version)
         else:
-            self._object_store(live, version)
+            metas = self.trainer.call("gather")[0]
+            gathered = time.perf_counter()
+            nbytes = sum(m.nbytes for m in metas)
+            try:
+                if self.transport == "disk":
+                    self.trainer.get([self.trainer.rank0.write.remote(self.disk_dir, version)])
+                    ray.get([r.load_disk.remote(self.disk_dir, version) for _, r in live])
+                else:
+                    state = self.trainer.rank0.cached.remote()
+                    ray.get([r.update_weights.remote(state, version) for _, r in live])
+                    del state
+            finally:
+                self.trainer.get([self.trainer.rank0.release.remote()])
         self._pushed = True
+        self._trained_at_push = getattr(self.trainer, "trained", 0)
         self.version = self.router.version = version
         end = time.perf_counter()
         return {
@@ -104,49 +129,89 @@ class WeightSync:
             "cluster/engine_restarts": float(self.router.restarts),
         }
 
-    def _broadcast(
-        self, metas: list[TensorMeta], live: list[tuple[int, Any]], version: int
-    ) -> None:
+    @staticmethod
+    def _answering(live: list[tuple[int, Any]], timeout_s: float = 30.0) -> list[tuple[int, Any]]:
+        """The replicas of `live` that answer a ping."""
         import ray
 
-        self._buckets = plan_buckets(metas, self.bucket_bytes)
-        if self._members != tuple(i for i, _ in live):
+        refs = {r.ping.remote(): (i, r) for i, r in live}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+                out.append(refs[ref])
+            except Exception:
+                continue
+        return sorted(out, key=lambda x: x[0])
+
+    def _layout(self) -> list[list[TensorMeta]]:
+        if self._buckets is None:
+            metas = self.trainer.get([self.trainer.rank0.layout.remote(self.dtype)])[0]
+            self._buckets = plan_buckets(metas, self.bucket_bytes)
+        return self._buckets
+
+    def _stream(self, live: list[tuple[int, Any]], version: int) -> int:
+        """Bucket by bucket from the shards to the `live` replicas; returns the bytes per replica."""
+        import ray
+
+        buckets = self._layout()
+        if self._members is None or set(self._members) | set(self._shared) != {i for i, _ in live}:
             self._form_group(live)
-        send = self.trainer.rank0.send.remote(self._buckets)
-        recv = [r.receive.remote(self._buckets, version) for _, r in live]
-        self.trainer.get([send])
+        actors = dict(live)
+        shared = [actors[i] for i in self._shared]
+        recv = [actors[i].receive.remote(buckets, version) for i in self._members or ()]
+        recv += [a.receive_shared.remote(buckets, version) for a in shared]
+        sent = self.trainer.collective(
+            lambda r, rank: rank.stream.remote(buckets, shared if r == 0 else [], version)
+        )[0]
         ray.get(recv)
-
-    def _object_store(self, live: list[tuple[int, Any]], version: int) -> None:
-        import ray
-
-        state = self.trainer.rank0.cached.remote()  # stays in the object store, read by each
-        ray.get([r.update_weights.remote(state, version) for _, r in live])
+        return sent
 
     def _form_group(self, live: list[tuple[int, Any]]) -> None:
+        """Split the live replicas into handle takers (rank 0's device) and a broadcast group."""
         import ray
 
-        host, port = self.trainer.get([self.trainer.rank0.sync_address.remote()])[0]
-        name = f"weir-sync-{next(self._generation)}"
-        size = len(live) + 1
-        refs = [self.trainer.rank0.join.remote(host, port, size, name, self.backend)]
-        refs += [
-            r.join.remote(host, port, k + 1, size, name, self.backend)
-            for k, (_, r) in enumerate(live)
-        ]
-        ray.get(refs)
-        self._members = tuple(i for i, _ in live)
+        root = self.trainer.get([self.trainer.rank0.device_key.remote()])[0]
+        keys = ray.get([r.device_key.remote() for _, r in live])
+        same = [k == root and (k[1] != "cpu" or self.host_handles) for k in keys]
+        self._shared = [i for (i, _), s in zip(live, same, strict=True) if s]
+        members = [(i, r) for (i, r), s in zip(live, same, strict=True) if not s]
+        if not members:
+            self.trainer.get([self.trainer.rank0.leave.remote()])
+        else:
+            host, port = self.trainer.get([self.trainer.rank0.sync_address.remote()])[0]
+            name = f"weir-sync-{next(self._generation)}"
+            size = len(members) + 1
+            refs = [self.trainer.rank0.join.remote(host, port, size, name, self.backend)]
+            refs += [
+                r.join.remote(host, port, k + 1, size, name, self.backend)
+                for k, (_, r) in enumerate(members)
+            ]
+            ray.get(refs)
+        self._members = tuple(i for i, _ in members)
 
     def restore(self, index: int, actor: Any) -> None:
-        """Give a restarted replica the current weights (object store, from rank 0's cache)."""
+        """Give a restarted replica the current version: from a live peer's weights (through the
+        object store), else streamed from the trainer's shards if they are still that version;
+        otherwise `NotRestorable` (the router retries after the next push)."""
         import ray
 
         with self._lock:
             if not self._pushed:
                 return  # nothing was pushed yet: the replica loaded the initial weights itself
+            self._members = None  # the broadcast group changes: form a new one next push
             if self.transport == "disk":
                 ray.get(actor.load_disk.remote(self.disk_dir, self.version))
-            else:
-                state = self.trainer.rank0.cached.remote()
-                ray.get(actor.update_weights.remote(state, self.version))
-            self._members = None  # the broadcast group changes: form a new one next push
+                return
+            peers = [r for i, r in self.router.live() if i != index]
+            if peers:
+                ray.get(actor.update_weights.remote(peers[0].state.remote(), self.version))
+                return
+            if getattr(self.trainer, "trained", 0) != self._trained_at_push:
+                raise NotRestorable(
+                    f"replica {index}: no live peer, and the trainer moved past version "
+                    f"{self.version}; it rejoins after the next push"
+                )
+            self._stream([(index, actor)], self.version)
+            self._members = None

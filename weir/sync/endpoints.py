@@ -1,43 +1,135 @@
 """The two ends of a weight sync as Ray actor classes: a trainer rank and an engine replica.
 
-They add the transport methods to `TrainerRank` and `EngineWorker`; the driver-side
-`WeightSync` calls them. Rank 0 of the trainer keeps the last full weights it gathered, so a
-restarted engine can be given the current version without another gather.
+They add the transport methods to `TrainerRank` and `EngineWorker`; the driver-side `WeightSync`
+calls them. The default path streams from the FSDP2 shards (`stream`): bucket by bucket, every
+trainer rank takes part in gathering the bucket on its device, rank 0 hands it to the engines
+(broadcast group, or memory handles for engines on its own GPU / host) and frees it. Only the disk
+and object-store transports gather the full weights on rank 0 (`gather`), and drop them after the
+push (`release`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 from weir.engine.ray_engine import EngineWorker
 from weir.sync.broadcast import BroadcastGroup, TensorMeta
 from weir.sync.disk import DiskStore
+from weir.sync.handles import Handle, open_handle, share
 from weir.sync.hashing import weights_hash
+from weir.sync.host_memory import peak_rss, reset_peak_rss, rss
+from weir.sync.shards import gather_buckets, sharded_hash, unique_tensors, wire_metas
+from weir.train.batch import TrainBatch
 from weir.train.distributed import TrainerRank, free_port
+from weir.train.offload import move_trainer
+
+HANDLE_TIMEOUT_S = 600.0
+
+
+def device_key(device: torch.device) -> tuple[str, str]:
+    """(Ray node id, GPU uuid or "cpu"): two processes with equal keys share a device."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    if device.type == "cuda":
+        return node, str(torch.cuda.get_device_properties(device).uuid)
+    return node, "cpu"
 
 
 class SyncTrainerRank(TrainerRank):
-    """A trainer rank that can publish its weights by broadcast, disk or object store."""
+    """A trainer rank that publishes its weights from its shards, or by disk / object store."""
 
     _full: dict[str, torch.Tensor] | None = None
     _group: BroadcastGroup | None = None
 
-    def gather(self) -> list[TensorMeta]:
-        """Collective over the trainer ranks: rank 0 keeps the full weights and returns their
-        layout; the other ranks return []."""
-        state = self.full_state()
-        if self.rank != 0:
-            return []
-        self._full = state
-        return [TensorMeta.of(k, v) for k, v in state.items()]
+    @property
+    def _offloads(self) -> bool:
+        """Colocated on a GPU with cluster.offload_trainer: off the device between train calls."""
+        c = self.cfg.cluster
+        return c.colocate and c.offload_trainer and self.device.startswith("cuda")
 
-    def cached(self) -> dict[str, torch.Tensor]:
-        """Rank 0: the weights of the last `gather`."""
-        assert self._full is not None, "gather() first"
-        return self._full
+    def setup(self, host: str, port: int) -> int:
+        rank = super().setup(host, port)
+        self.offload()  # the engines generate first
+        return rank
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """Train on the device; colocated, the parameters, gradients and optimizer state live in
+        host memory before and after (`offload`)."""
+        self.onload()
+        try:
+            return super().train(batch)
+        finally:
+            self.offload()
+
+    def _on_device(self, method: str, *args: Any) -> Any:
+        self.onload()
+        try:
+            return getattr(super(), method)(*args)
+        finally:
+            self.offload()
+
+    # the checkpoint paths run FSDP2 collectives on the device too
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return self._on_device("full_state")
+
+    def trainer_state(self) -> dict[str, Any]:
+        return self._on_device("trainer_state")
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self._on_device("load_trainer_state", state)
+
+    def save(self, path: str) -> None:
+        self._on_device("save", path)
+
+    def load(self, path: str) -> None:
+        self._on_device("load", path)
+
+    def offload(self) -> int:
+        """Colocated on a GPU: move the shards, gradients and optimizer state to host memory (a
+        weight sync still works: it moves each shard to the device as it gathers it). Returns the
+        bytes moved; 0 when not colocated or on the CPU."""
+        if not self._offloads or self.actor is None:
+            return 0
+        a = self.actor
+        return move_trainer([a.model, a.ref], a.optimizer, torch.device("cpu"))
+
+    def onload(self) -> int:
+        """Undo `offload` (before training); returns the bytes moved."""
+        if not self._offloads or self.actor is None:
+            return 0
+        a = self.actor
+        return move_trainer([a.model, a.ref], a.optimizer, torch.device(self.device))
+
+    def device_memory(self) -> dict[str, int]:
+        """CUDA memory this process holds (allocated / reserved by torch), bytes; zeros on CPU."""
+        if not self.device.startswith("cuda"):
+            return {"allocated": 0, "reserved": 0}
+        return {
+            "allocated": torch.cuda.memory_allocated(),
+            "reserved": torch.cuda.memory_reserved(),
+        }
+
+    def _sharded(self) -> dict[str, torch.Tensor]:
+        """This rank's shards by name (DTensors; no gather), tied tensors once."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.actor is not None, "setup() first"
+        return unique_tensors(get_model_state_dict(self.actor.model))
+
+    def layout(self, dtype: str | None = None) -> list[TensorMeta]:
+        """Names and full shapes of the weights an engine loads, floating tensors in `dtype` (the
+        engines' dtype; None keeps the trainer's)."""
+        return wire_metas(self._sharded(), getattr(torch, dtype) if dtype else None)
+
+    def device_key(self) -> tuple[str, str]:
+        return device_key(torch.device(self.device))
 
     def sync_address(self) -> tuple[str, int]:
         import ray
@@ -47,23 +139,122 @@ class SyncTrainerRank(TrainerRank):
     def join(self, host: str, port: int, size: int, name: str, backend: str) -> None:
         self._group = BroadcastGroup(host, port, 0, size, backend=backend, name=name)
 
-    def send(self, buckets: list[list[TensorMeta]]) -> int:
-        assert self._group is not None and self._full is not None
-        return self._group.send(self._full, buckets)
+    def leave(self) -> None:
+        """No broadcast group (every engine takes handles)."""
+        self._group = None
+
+    def stream(self, buckets: list[list[TensorMeta]], shared: list[Any], version: int) -> int:
+        """Collective over the trainer ranks: gather bucket after bucket from the shards; rank 0
+        broadcasts each to its group and hands it to the engine actors in `shared` (same device) by
+        memory handle, waiting until they copied it. Returns the bytes rank 0 delivered."""
+        import ray
+
+        device = torch.device(self.device)
+        root = self.rank == 0
+        sent = 0
+        gathered = gather_buckets(
+            self._sharded(), buckets, device, root=root, shareable=root and bool(shared)
+        )
+        error: Exception | None = None
+        for flat in gathered:
+            if flat is None or error is not None:
+                continue  # after a failed send rank 0 still takes part in the gathers
+            try:
+                if self._group is not None:
+                    self._group.send_flat(flat)
+                if shared:
+                    if flat.is_cuda:
+                        torch.cuda.current_stream(flat.device).synchronize()
+                    handle = share(flat)
+                    refs = [e.put_shared.remote(handle, version) for e in shared]
+                    ray.get(refs, timeout=HANDLE_TIMEOUT_S)
+            except Exception as err:  # an engine died: the driver retries with the live ones
+                error = err
+            sent += flat.numel() * flat.element_size()
+            del flat
+        if error is not None:
+            raise RuntimeError(f"weight sync: delivery failed ({error})")
+        return sent
+
+    def gather(self) -> list[TensorMeta]:
+        """Collective: rank 0 keeps the full weights (host memory) until `release` and returns their
+        layout; the other ranks return []. For the disk and object-store transports only."""
+        state = self.full_state()
+        if self.rank != 0:
+            return []
+        self._full = state
+        return [TensorMeta.of(k, v) for k, v in state.items()]
+
+    def release(self) -> None:
+        self._full = None
+
+    def cached(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the weights of the last `gather`."""
+        assert self._full is not None, "gather() first"
+        return self._full
 
     def write(self, root: str, version: int) -> str:
         assert self._full is not None
         return str(DiskStore(root).write(self._full, version))
 
-    def weights_hash(self) -> str:
-        assert self._full is not None
-        return weights_hash(self._full)
+    def weights_hash(self, dtype: str | None = None) -> str:
+        """Collective: `weights_hash` of the full weights as the engines get them (tied tensors
+        under both names), gathered one tensor at a time."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.actor is not None, "setup() first"
+        state = get_model_state_dict(self.actor.model)
+        return sharded_hash(
+            state, torch.device(self.device), getattr(torch, dtype) if dtype else None
+        )
+
+    def memory(self) -> dict[str, int]:
+        """This process's resident memory now and at its peak since `reset_memory_peak` (bytes)."""
+        return {"rss": rss(), "peak": peak_rss()}
+
+    def reset_memory_peak(self) -> None:
+        reset_peak_rss()
+
+
+class _Inbox:
+    """Buckets handed to an engine by memory handle, consumed by one weight update."""
+
+    def __init__(self) -> None:
+        self.items: queue.Queue[tuple[Handle, threading.Event]] = queue.Queue()
+        self.failed: BaseException | None = None
+
+    def stream(
+        self, buckets: list[list[TensorMeta]], device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in buckets:
+            try:
+                handle, done = self.items.get(timeout=HANDLE_TIMEOUT_S)
+            except queue.Empty:
+                raise TimeoutError(
+                    "no bucket from trainer rank 0 within the handle timeout"
+                ) from None
+            flat = open_handle(handle, device)
+            for m, part in zip(bucket, flat.split([m.numel for m in bucket]), strict=True):
+                yield m.name, part.view(m.shape)
+            if flat.is_cuda:  # the copies must be done before rank 0 reuses the memory
+                torch.cuda.current_stream(flat.device).synchronize()
+            del flat, part
+            done.set()
 
 
 class SyncEngineWorker(EngineWorker):
-    """An engine replica that can receive weights by broadcast or disk (object store: inherited)."""
+    """An engine replica that receives weights by broadcast, memory handle, disk or object store."""
 
     _group: BroadcastGroup | None = None
+    _inboxes: dict[int, _Inbox] | None = None
+
+    def _inbox(self, version: int) -> _Inbox:
+        if self._inboxes is None:
+            self._inboxes = {}
+        return self._inboxes.setdefault(version, _Inbox())
+
+    async def device_key(self) -> tuple[str, str]:
+        return device_key(next(self.engine.model.parameters()).device)
 
     async def join(
         self, host: str, port: int, rank: int, size: int, name: str, backend: str
@@ -73,16 +264,60 @@ class SyncEngineWorker(EngineWorker):
         )
 
     async def receive(self, buckets: list[list[TensorMeta]], version: int) -> None:
+        """Load the buckets rank 0 broadcasts, each as it arrives, between decode steps."""
         assert self._group is not None, "join() first"
-        state = await asyncio.to_thread(self._group.recv, buckets)
-        await self.update_weights(state, version)
+        stream = self._group.recv_stream(buckets)
+        await asyncio.to_thread(self.engine.update_weights_sync, stream, version)
+
+    async def receive_shared(self, buckets: list[list[TensorMeta]], version: int) -> None:
+        """Load the buckets rank 0 hands over by `put_shared`, each as it arrives."""
+        inbox = self._inbox(version)
+        try:
+            stream = inbox.stream(buckets, next(self.engine.model.parameters()).device)
+            await asyncio.to_thread(self.engine.update_weights_sync, stream, version)
+        except BaseException as err:
+            inbox.failed = err
+            raise
+        finally:
+            self._inboxes.pop(version, None)
+            if inbox.failed is not None:  # a bucket still on its way finds it failed
+                self._inboxes[version] = inbox
+            while not inbox.items.empty():  # release a sender waiting on a bucket never read
+                inbox.items.get_nowait()[1].set()
+
+    async def put_shared(self, handle: Handle, version: int) -> None:
+        """Rank 0: here is the next bucket of `version`; returns once it is copied into the model
+        (or the update failed)."""
+        inbox = self._inbox(version)
+        if inbox.failed is not None:
+            raise RuntimeError(f"the engine failed to load version {version}: {inbox.failed}")
+        done = threading.Event()
+        inbox.items.put((handle, done))
+        await asyncio.to_thread(done.wait, HANDLE_TIMEOUT_S)
+        if inbox.failed is not None:
+            raise RuntimeError(f"the engine failed to load the bucket: {inbox.failed}")
 
     async def load_disk(self, root: str, version: int) -> None:
         _, state = await asyncio.to_thread(DiskStore(root).read, version)
         await self.update_weights(state, version)
 
+    async def state(self) -> dict[str, torch.Tensor]:
+        """This replica's weights (host copies), to give a restarted peer the current version."""
+        return {k: v.detach().to("cpu") for k, v in self.engine.model.state_dict().items()}
+
     async def weights_hash(self, names: list[str] | None = None) -> str:
         return weights_hash(self.engine.model.state_dict(), names)
+
+    async def memory(self) -> dict[str, int]:
+        """Resident memory now and at its peak, the KV cache's bytes and, on CUDA, the bytes torch
+        has allocated on the device."""
+        device = next(self.engine.model.parameters()).device
+        cuda = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        kv = int(self.engine.kv_stats()["kv_bytes"])
+        return {"rss": rss(), "peak": peak_rss(), "kv": kv, "cuda": cuda}
+
+    async def reset_memory_peak(self) -> None:
+        reset_peak_rss()
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         await super().update_weights(state, version)

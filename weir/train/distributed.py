@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +314,8 @@ class TrainerGroup:
         import ray
 
         self.cfg = cfg
+        self.trained = 0  # train calls so far (a weight sync checks whether the weights moved)
+        self._collective = threading.RLock()  # one collective call at a time, from any thread
         world = cfg.cluster.trainer.ranks
         remote = ray.remote(rank_cls)
         self.ranks = [
@@ -348,7 +351,15 @@ class TrainerGroup:
         return ray.get(refs)
 
     def call(self, method: str, *args) -> list:
-        return self.get([getattr(r, method).remote(*args) for r in self.ranks])
+        """`method` on every rank (a collective: calls from several threads do not interleave)."""
+        with self._collective:
+            return self.get([getattr(r, method).remote(*args) for r in self.ranks])
+
+    def collective(self, submit) -> list:
+        """`submit(rank_index, rank_actor) -> ref` for every rank, then their results, as one
+        collective call (see `call`)."""
+        with self._collective:
+            return self.get([submit(i, r) for i, r in enumerate(self.ranks)])
 
     def train(self, batch: TrainBatch, critic: None = None) -> dict[str, float]:
         if critic is not None:  # the config refuses algo.advantage=gae on Ray
@@ -358,6 +369,7 @@ class TrainerGroup:
         import ray
 
         ref = ray.put(batch)  # one copy in the object store, read by every rank
+        self.trained += 1
         return self.call("train", ref)[0]
 
     def weights(self):
