@@ -206,6 +206,23 @@ class Router:
         total["engine_restarts"] = float(self.restarts)
         return total
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every healthy replica's sampling stream and version, by replica index: with them a
+        resumed run samples what the uninterrupted run would have (one replica, or requests
+        routed alike)."""
+        live = self.live()
+        states = self._each("state_dict")
+        if len(states) != len(live):  # a replica died meanwhile: save none rather than misalign
+            return {"replicas": {}}
+        return {"replicas": {i: s for (i, _), s in zip(live, states, strict=True)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what `state_dict` saved, into the replicas of the same index that are live."""
+        import ray
+
+        saved = state.get("replicas", {})
+        ray.get([r.load_state_dict.remote(saved[i]) for i, r in self.live() if i in saved])
+
     def close(self) -> None:
         import ray
 
