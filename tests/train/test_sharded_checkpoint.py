@@ -21,12 +21,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from tests.toy import toy_groups
+from tests.train.sharded_rank import KEYS, OPTS
+from weir.config import build_config
 from weir.tasks.tiny_model import build_tokenizer
+from weir.train.actor import Actor
+from weir.train.batch import make_batch
 from weir.train.checkpoint import MANIFEST, read_manifest, verify_checkpoint, write_checkpoint
 from weir.train.distributed import free_port
 from weir.train.export import export_model, find_model_dir
 from weir.train.meta_init import driver_model
-from weir.train.sharded_checkpoint import MODEL_DIR, TRAINER_DIR, save_model_files
+from weir.train.sharded_checkpoint import MODEL_DIR, TRAINER_DIR, load_shards, save_model_files
 
 ROOT = Path(__file__).parents[2]
 WORLD = 2
@@ -125,6 +130,19 @@ def test_loaded_shards_continue_exactly(ranks):
     for r in reports:
         for key, value in r["again"].items():
             assert r["repeat"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_two_ranks_shards_load_into_one_process(ranks, model_dir):
+    """DCP reshards: the 2-rank checkpoint continues in one process (cluster.type=local) with the
+    update the two ranks made from it."""
+    work, reports = ranks
+    actor = Actor(AutoModelForCausalLM.from_pretrained(model_dir), build_config({}, OPTS))
+    load_shards(actor, work / "ckpt" / TRAINER_DIR)
+    assert actor.updates == 1
+    stats = actor.train(make_batch(toy_groups(), version=0))
+    for key in KEYS:
+        assert stats[key] == pytest.approx(reports[0]["again"][key], rel=1e-4, abs=1e-7), key
 
 
 @pytest.mark.slow

@@ -132,7 +132,8 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    hashed = dict(write_files(tmp) or {})
+    returned = write_files(tmp)
+    hashed = dict(returned) if isinstance(returned, Mapping) else {}
     _fault("checkpoint_files", step)
     rest = [
         p
