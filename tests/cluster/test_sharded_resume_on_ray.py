@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import weir
+import weir.loop.sync as loop_sync
 from weir.cluster import TrainerFailed
 from weir.train.checkpoint import list_checkpoints, read_manifest
 from weir.train.distributed import TrainerGroup
@@ -85,7 +86,17 @@ def test_rank_killed_mid_run_resumes_to_the_same_metrics(ray_local, tmp_path, mo
     assert not any(name.endswith(".safetensors") for name in files)
     assert (ckpt / MODEL_DIR / "config.json").is_file()
 
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(parts := real_build(*args, **kwargs))
+        return parts
+
+    real_build = loop_sync.build
+    monkeypatch.setattr(loop_sync, "build", build)
     result = weir.run(CONFIG, [f"run.dir={killed}", *RAY], reward=_parity)
+    # the driver never held weights: its model is config only, on the meta device
+    assert all(p.device.type == "meta" for p in built[0].model.parameters())
     got = _metrics(killed)
     diff = [
         (x["step"], k, x.get(k), y.get(k))

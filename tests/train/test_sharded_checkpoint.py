@@ -232,3 +232,26 @@ def test_prehashed_files_are_trusted_and_the_rest_hashed(tmp_path):
     files = json.loads((path / MANIFEST).read_text())["files"]
     assert sorted(files) == ["shard/a.bin", "state.json"]
     assert verify_checkpoint(path) is None
+
+
+def test_a_model_whose_files_differ_is_loaded_whole_and_saved_by_transformers(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The fallback when disk names or shapes differ from the module's (weights converted on
+    load): each rank loads the whole model, and the HF files are written by save_pretrained."""
+    import weir.train.meta_init as meta_init
+    from weir.train.distributed import TrainerRank
+
+    monkeypatch.setattr(meta_init, "layout_mismatch", lambda model, layout: "converted on load")
+    rank = TrainerRank(build_config({}, OPTS), str(tiny_model_dir), 0, 1)
+    try:
+        rank.setup("127.0.0.1", free_port())
+        assert rank.start_stats()["meta"] == 0.0
+        rank.train(make_batch(toy_groups(), version=0))
+        rank.save_hf(str(tmp_path / "hf"), bucket_mb=1.0)
+        trained = rank.full_state()
+    finally:
+        rank.close()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(saved) == set(trained)
+    assert all(torch.equal(saved[k], trained[k]) for k in trained)

@@ -62,7 +62,7 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
             for i in range(c.engines.replicas)
         ]
         ray.get([r.ping.remote() for r in replicas])
-        router = Router(replicas)
+        router = Router(replicas, seed=cfg.run.seed)
         transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
         sync = WeightSync(
             trainer,

@@ -354,7 +354,6 @@ class TrainerRank:
         """Collective: the current weights as HF safetensors files in `out`, gathered one tensor at
         a time and written by rank 0 in files of about `bucket_mb`; returns the files (rank 0)."""
         from weir.train.meta_init import disk_layout, layout_mismatch, write_hf_weights
-        from weir.train.model import save_model
 
         assert self.actor is not None
         model = self.actor.model
@@ -371,20 +370,13 @@ class TrainerRank:
 
         whole = build_on_meta(self.model_path, next(iter(state.values())).dtype)
         materialize(whole, "cpu")
-        whole.load_state_dict(state, strict=False)
-        save_model(whole, _NoTokenizer(), out)
+        whole.load_state_dict(state)
+        whole.save_pretrained(out, safe_serialization=True)
         return sorted(p.name for p in Path(out).iterdir())
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _NoTokenizer:
-    """`save_model` without a tokenizer (the driver writes it next to the weights)."""
-
-    def save_pretrained(self, out: Any) -> None:
-        return None
 
 
 class TrainerGroup:

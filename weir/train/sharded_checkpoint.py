@@ -14,6 +14,7 @@ written by N ranks loads into M ranks, or into one process (`load_shards` with n
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,9 @@ def load_shards(actor: Any, path: str | Path) -> None:
     """Read what `save_shards` wrote into `actor` (each rank reads the slices it holds; without a
     process group one process reads everything)."""
     state = actor_state(actor)
-    dcp.load(state, checkpoint_id=str(Path(path)))
+    with warnings.catch_warnings():  # without a process group: one process reads everything
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(Path(path)))
     set_state_dict(
         actor.model,
         actor.optimizer,
@@ -97,7 +100,9 @@ def export_sharded(checkpoint: str | Path, out: str | Path, dtype: str | None = 
     model = build_on_meta(str(ckpt / MODEL_DIR), DTYPES[dtype or "float32"])
     materialize(model, "cpu")
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt / TRAINER_DIR), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt / TRAINER_DIR), no_dist=True)
     model.load_state_dict(state["model"])
     model.config.use_cache = True  # training switches the KV cache off; generation wants it
     tokenizer = AutoTokenizer.from_pretrained(ckpt / MODEL_DIR)
