@@ -50,8 +50,14 @@ def main(rank: int, world: int, port: int, model_dir: str, work: Path) -> None:
         / 2**20
     )
     again = trainer.train(batch)
+    after = [p.to_local().clone() for p in trainer.actor.model.parameters()]
     trainer.load(str(path))
     repeat = trainer.train(batch)
+    # the update after the load (it needs the restored Adam moments) equals the first one
+    out["same_update"] = all(
+        torch.equal(a, p.to_local())
+        for a, p in zip(after, trainer.actor.model.parameters(), strict=True)
+    )
     out["again"] = {k: again[k] for k in KEYS}
     out["repeat"] = {k: repeat[k] for k in KEYS}
     out["hf_files"] = trainer.save_hf(str(work / "hf"), bucket_mb=8.0)

@@ -9,6 +9,7 @@ and optimizer state; every rank writes and hashes its own shard file.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -128,6 +129,7 @@ def test_each_rank_writes_its_shard_and_rank0_holds_no_gathered_copy(ranks, mode
 def test_loaded_shards_continue_exactly(ranks):
     _, reports = ranks
     for r in reports:
+        assert r["same_update"]
         for key, value in r["again"].items():
             assert r["repeat"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
@@ -143,6 +145,10 @@ def test_two_ranks_shards_load_into_one_process(ranks, model_dir):
     stats = actor.train(make_batch(toy_groups(), version=0))
     for key in KEYS:
         assert stats[key] == pytest.approx(reports[0]["again"][key], rel=1e-4, abs=1e-7), key
+    # the update needs the restored Adam moments: the ranks' weights after the same step
+    ranks_after = torch.load(work / "full.pt")
+    for name, p in actor.model.state_dict().items():
+        assert torch.allclose(p, ranks_after[name], atol=1e-6), name
 
 
 @pytest.mark.slow
@@ -255,3 +261,33 @@ def test_a_model_whose_files_differ_is_loaded_whole_and_saved_by_transformers(
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert set(saved) == set(trained)
     assert all(torch.equal(saved[k], trained[k]) for k in trained)
+
+
+def test_a_one_process_checkpoint_continues_on_sharded_ranks(tiny_model_dir, tmp_path):
+    """cluster.type=local -> ray: each rank reads its slices of the checkpoint's HF weights and
+    takes the one-process optimizer state (numbered parameters) by name; the next update is the
+    one the single process makes."""
+    from weir.train.distributed import TrainerRank
+    from weir.train.model import save_model
+
+    cfg = build_config({}, OPTS)
+    local = Actor(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg)
+    first, second = make_batch(toy_groups(0), version=0), make_batch(toy_groups(1), version=1)
+    local.train(first)
+    save_model(local.model, build_tokenizer(), tmp_path / "model")
+    state = copy.deepcopy(local.state_dict())  # as it arrives from trainer.pt: not shared
+    rank = TrainerRank(cfg, str(tiny_model_dir), 0, 1)
+    try:
+        rank.setup("127.0.0.1", free_port())
+        rank.load_hf(str(tmp_path / "model"))
+        rank.load_trainer_state(state)
+        got = rank.train(second)
+        after = rank.full_state()
+    finally:
+        rank.close()
+    want = local.train(second)
+    for key in KEYS:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
+    # the update uses the one-process Adam moments (a fresh optimizer would step elsewhere)
+    for name, p in local.model.state_dict().items():
+        assert torch.allclose(after[name], p, atol=1e-6), name

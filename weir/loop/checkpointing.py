@@ -140,12 +140,9 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
             parts.trainer.load(str(path / TRAINER_DIR))
         else:  # a Ray run's checkpoint continued in one process
             load_shards(parts.trainer, path / TRAINER_DIR)
-    elif on_ray:
-        raise ValueError(
-            f"checkpoint {path} was written by a one-process run (full weights in model/); a Ray "
-            "run resumes from sharded checkpoints: resume it with cluster.type=local, or start "
-            "over with run.resume=never"
-        )
+    elif on_ray:  # a one-process run's checkpoint continued on Ray: each rank reads its slices
+        parts.trainer.call("load_hf", str(path / MODEL_DIR))
+        parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
     else:
         load_weights(parts.model, path / MODEL_DIR)
         parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))

@@ -184,6 +184,15 @@ class ShardedActor(Actor):
         return total, top
 
 
+def _by_name(optim: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A one-process `optimizer.state_dict()` (parameters numbered in `model.parameters()` order)
+    keyed by parameter name, as `set_optimizer_state_dict` reads it; a named one is returned as is."""
+    if not all(isinstance(k, int) for k in optim.get("state", {})):
+        return optim
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]
+    return {"state": {names[i]: v for i, v in optim["state"].items()}, "param_groups": groups}
+
+
 def free_port() -> int:
     """A TCP port that is free on this node now (for a rendezvous this process hosts)."""
     with socket.socket() as s:
@@ -331,10 +340,26 @@ class TrainerRank:
                 options=opts,
             )
         else:
-            set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"], options=opts)
+            optim = _by_name(state["optimizer"], [n for n, _ in a.model.named_parameters()])
+            set_optimizer_state_dict(a.model, a.optimizer, optim, options=opts)
         a.scheduler.load_state_dict(state["scheduler"])
         a.kl_ctl.value = state["kl_coef"]
         a.updates, a.skipped_updates = state["updates"], state["skipped_updates"]
+
+    def load_hf(self, model_dir: str) -> None:
+        """Every rank: read its slice of every weight from an HF directory (the `model/` of a
+        one-process run's checkpoint), as the meta-device start reads the initial weights."""
+        from weir.train.meta_init import disk_layout, layout_mismatch, load_local_shards
+
+        assert self.actor is not None
+        layout = disk_layout(model_dir)
+        why = layout_mismatch(self.actor.model, layout)
+        if why is not None:
+            raise ValueError(
+                f"{model_dir} cannot be read shard by shard ({why}); resume this checkpoint with "
+                "cluster.type=local"
+            )
+        load_local_shards(self.actor.model, layout)
 
     def pid(self) -> int:
         return os.getpid()
