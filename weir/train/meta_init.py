@@ -36,7 +36,9 @@ def parameters_on_meta() -> Iterator[None]:
 
     Buffers stay real: non-persistent ones (rotary frequencies) are computed in `__init__` and
     are not in the checkpoint. The initialisers that modules run on their parameters after
-    registering them act on meta tensors and cost nothing.
+    registering them act on meta tensors and cost nothing. The patch is process-wide while the
+    block runs: build nothing else in another thread meanwhile (ranks and the driver build their
+    model before any thread starts).
     """
     register = nn.Module.register_parameter
 
