@@ -19,6 +19,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def _has_storage(t: object) -> bool:
+    """A plain tensor with memory of its own: not meta, not a wrapper subclass (a DTensor's local
+    tensor is dispatched, and counted, on its own)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
 class AllocationPeak(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -38,10 +50,10 @@ class AllocationPeak(TorchDispatchMode):
         inputs = {
             t.untyped_storage().data_ptr()
             for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            if _has_storage(t)
         }
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not _has_storage(t):
                 continue
             storage = t.untyped_storage()
             if storage.data_ptr() in inputs:  # a view of, or written into, an input

@@ -75,6 +75,13 @@ class EngineWorker:
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    async def state_dict(self) -> dict:
+        """The engine's sampling stream and version, for a run checkpoint."""
+        return self.engine.state_dict()
+
+    async def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
     async def sleep(self, offload_weights: bool = False) -> None:
         await self.engine.sleep(offload_weights)
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +48,10 @@ class Router:
             load the current weights and version into it. None: rejoin as is.
         version: the weight version the replicas start with.
         wait_s: how long a request waits for some replica to be healthy before failing.
+        seed: seeds the router's stream of request seeds. A request without
+            `SamplingParams.seed` gets the next seed of this stream when `generate` is called, so
+            its samples do not depend on which replica serves it, when the request reaches it, or
+            on a retry elsewhere (the replicas' own streams would depend on arrival order).
     """
 
     def __init__(
@@ -55,8 +61,10 @@ class Router:
         restore: Callable[[int, Any], None] | None = None,
         version: int = 0,
         wait_s: float = 300.0,
+        seed: int = 0,
     ) -> None:
         self.replicas = list(replicas)
+        self._rng = random.Random(seed)
         self.restore = restore
         self.version = version
         self.wait_s = wait_s
@@ -82,6 +90,8 @@ class Router:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         from ray.exceptions import RayActorError
 
+        if params.seed is None:  # in call order, which the driver's event loop makes deterministic
+            params = dataclasses.replace(params, seed=self._rng.getrandbits(64))
         deadline = time.monotonic() + self.wait_s
         while True:
             i = self._pick()
@@ -228,6 +238,26 @@ class Router:
         total["engine_retries"] = float(self.retries)
         total["engine_restarts"] = float(self.restarts)
         return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The router's stream of request seeds, and every healthy replica's own stream and
+        version by replica index: with them a resumed run samples what the uninterrupted run
+        would have."""
+        live = self.live()
+        states = self._each("state_dict")
+        if len(states) != len(live):  # a replica died meanwhile: save none rather than misalign
+            states, live = [], []
+        replicas = {i: s for (i, _), s in zip(live, states, strict=True)}
+        return {"rng": self._rng.getstate(), "replicas": replicas}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what `state_dict` saved, into the router and the live replicas of each index."""
+        import ray
+
+        if "rng" in state:
+            self._rng.setstate(state["rng"])
+        saved = state.get("replicas", {})
+        ray.get([r.load_state_dict.remote(saved[i]) for i, r in self.live() if i in saved])
 
     def close(self) -> None:
         import ray

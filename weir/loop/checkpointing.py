@@ -12,6 +12,12 @@
 - ``buffer.pt`` (asynchronous loop): groups generated but not yet trained, and the rows still being
   generated, which are rolled out again on resume so no prompt is lost.
 
+On Ray (`cluster.type=ray`) the trainer is sharded and so is its checkpoint: ``trainer/`` holds
+every rank's DCP shards of weights and optimizer state, written and hashed by the ranks in
+parallel, and ``model/`` only the config and tokenizer (weir.train.sharded_checkpoint). Nothing
+passes through the driver, and on resume each rank reads its own shards back. `weir export`
+turns either kind into an HF directory.
+
 With these, a sync run killed at any point and resumed from its newest checkpoint continues exactly
 as if it had not been stopped (tests/loop/test_resume.py kills runs and compares metrics).
 """
@@ -29,6 +35,13 @@ import torch
 
 from weir.train.checkpoint import read_manifest, write_checkpoint
 from weir.train.model import save_model
+from weir.train.sharded_checkpoint import (
+    MODEL_DIR,
+    TRAINER_DIR,
+    is_sharded,
+    load_shards,
+    save_model_files,
+)
 
 if TYPE_CHECKING:
     from weir.loop.components import Components
@@ -40,9 +53,16 @@ def save_run_checkpoint(
 ) -> Path:
     """Write checkpoint `step` of `run` (keeping run.keep_checkpoints) and return its directory."""
 
-    def write(tmp: Path) -> None:
-        save_model(parts.trained_model(), parts.tokenizer, tmp / "model")
-        torch.save(parts.trainer.state_dict(), tmp / "trainer.pt")
+    sharded = getattr(parts, "cluster", None) is not None
+
+    def write(tmp: Path) -> dict[str, Any]:
+        hashed: dict[str, Any] = {}
+        if sharded:  # every rank writes (and hashes) its own shards; the driver holds none
+            hashed = parts.trainer.save(tmp / TRAINER_DIR)
+            save_model_files(parts.model, parts.tokenizer, tmp / MODEL_DIR)
+        else:
+            save_model(parts.trained_model(), parts.tokenizer, tmp / MODEL_DIR)
+            torch.save(parts.trainer.state_dict(), tmp / "trainer.pt")
         if getattr(parts, "critic", None) is not None:
             parts.critic.save(tmp / "critic")
         torch.save(
@@ -66,6 +86,7 @@ def save_run_checkpoint(
             "evals": run.evals,
         }
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        return hashed
 
     return write_checkpoint(
         run.dir / "checkpoints",
@@ -121,11 +142,18 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
 def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str, Any] | None:
     """Load checkpoint `path` into the run and its components; returns the saved buffer, if any."""
     state = json.loads((path / "state.json").read_text())
-    load_weights(parts.model, path / "model")
-    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
-    if getattr(parts, "cluster", None) is not None:  # Ray: the ranks take the weights too
-        trainer_state["model"] = parts.model.state_dict()
-    parts.trainer.load_state_dict(trainer_state)
+    on_ray = getattr(parts, "cluster", None) is not None
+    if is_sharded(path):
+        if on_ray:  # each rank reads its own shards (DCP reshards to this many ranks)
+            parts.trainer.load(str(path / TRAINER_DIR))
+        else:  # a Ray run's checkpoint continued in one process
+            load_shards(parts.trainer, path / TRAINER_DIR)
+    elif on_ray:  # a one-process run's checkpoint continued on Ray: each rank reads its slices
+        parts.trainer.call("load_hf", str(path / MODEL_DIR))
+        parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+    else:
+        load_weights(parts.model, path / MODEL_DIR)
+        parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
     if getattr(parts, "critic", None) is not None:
         parts.critic.load(path / "critic")
     parts.prompts.load_state_dict(state["prompts"])
@@ -136,7 +164,10 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
     restore_cuda_rng(rng.get("cuda"))
     run.version, run.last_step = state["version"], state["step"]
     run.evals = state["evals"]
-    asyncio.run(parts.engine.update_weights(parts.trainer.weights(), run.version))
+    if getattr(parts, "sync", None) is not None:  # Ray: from the ranks' shards to the replicas
+        parts.sync.push(run.version)
+    else:
+        asyncio.run(parts.engine.update_weights(parts.trainer.weights(), run.version))
     if rng["engine"] is not None and hasattr(parts.engine, "load_state_dict"):
         parts.engine.load_state_dict(rng["engine"])
     buffer = path / "buffer.pt"

@@ -34,6 +34,7 @@ from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
 from weir.train.actor import Actor, ActorSettings
 from weir.train.critic import Critic, CriticSettings, load_value_model
+from weir.train.lora import save_final_model
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
 
@@ -61,10 +62,23 @@ class Components:
             self.cluster.shutdown()
 
     def trained_model(self) -> torch.nn.Module:
-        """The driver's model holding the trainer's current weights (fetched from Ray ranks)."""
+        """The driver's model holding the trainer's current weights (one process only: on Ray the
+        driver's model has no weights, see `save_model`)."""
         if self.cluster is not None:
-            self.model.load_state_dict(dict(self.trainer.weights()))
+            raise RuntimeError("on Ray the driver holds no weights; use Components.save_model")
         return self.model
+
+    def save_model(self, run_dir: Path) -> Path:
+        """The trainer's current weights as an HF directory, ``<run>/model``. One process: LoRA
+        merged (and the adapter alone in ``<run>/adapter``). On Ray the ranks write the weights
+        from their shards (one tensor gathered at a time) and the driver adds config and tokenizer."""
+        out = run_dir / "model"
+        if self.cluster is None:
+            return save_final_model(self.model, self.tokenizer, run_dir)
+        from weir.train.sharded_checkpoint import save_model_files
+
+        self.trainer.save_hf(str(out), self.trainer.cfg.cluster.bucket_mb)
+        return save_model_files(self.model, self.tokenizer, out)
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
@@ -256,6 +270,19 @@ def load_run_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
     return load_model(run_model_path(cfg, run_dir), precision.param_dtype, precision.device)
 
 
+def driver_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
+    """A Ray run's driver: the model's config and tokenizer, its parameters on the meta device."""
+    from weir.train.meta_init import driver_model as meta_model
+
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    dtype = Precision.from_config(cfg.train, device=torch.device("cpu")).param_dtype
+    return meta_model(run_model_path(cfg, run_dir), dtype)
+
+
 def run_model_path(cfg: Config, run_dir: Path) -> str:
     """The model directory (a `tiny:` model is built next to the run directory once)."""
     return resolve_model_path(
@@ -274,9 +301,12 @@ def build(
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
         check_model_path(cfg.model.path)
-    model, tokenizer = load_run_model(cfg, run_dir)
-    model_support(model.config)  # and with the attention implementation it was loaded with
     ray_parts = None
+    if cfg.cluster.type == "ray":  # the ranks and replicas load the weights, never the driver
+        model, tokenizer = driver_model(cfg, run_dir)
+    else:
+        model, tokenizer = load_run_model(cfg, run_dir)
+    model_support(model.config)  # and with the attention implementation it was loaded with
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
 

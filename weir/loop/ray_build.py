@@ -65,7 +65,7 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
             for i in range(c.engines.replicas)
         ]
         ray.get([r.ping.remote() for r in replicas])
-        router = Router(replicas)
+        router = Router(replicas, seed=cfg.run.seed)
         router.sleep_mode = c.colocate and cfg.engine.sleep_while_training
         router.sleep_offload_weights = cfg.engine.sleep_offload_weights
         transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync

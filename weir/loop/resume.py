@@ -28,11 +28,11 @@ def find_resume(cfg: Config, run_dir: Path) -> Path | None:
     incomplete or corrupt ones newer than it; an explicit path must be a good checkpoint (or a run
     directory that has one).
     """
-    spec = cfg.run.resume
+    spec, mode = cfg.run.resume, cfg.run.checkpoint_verify
     if spec == "never":
         return None
     if spec == "auto":
-        path, broken = latest_checkpoint(run_dir / "checkpoints")
+        path, broken = latest_checkpoint(run_dir / "checkpoints", mode)
         for b in broken:
             say(f"skipping checkpoint {b.path}: {b.reason}")
     else:
@@ -40,14 +40,14 @@ def find_resume(cfg: Config, run_dir: Path) -> Path | None:
         if (target / "checkpoints").is_dir():
             target = target / "checkpoints"
         if target.is_dir() and not (target / "manifest.json").exists():
-            path, broken = latest_checkpoint(target)
+            path, broken = latest_checkpoint(target, mode)
             if path is None:
                 reasons = "; ".join(f"{b.path.name}: {b.reason}" for b in broken) or "none found"
                 raise ValueError(f"run.resume={spec}: no complete checkpoint there ({reasons})")
         else:
             if not target.exists():
                 raise FileNotFoundError(f"run.resume={spec}: no such checkpoint directory")
-            reason = verify_checkpoint(target)
+            reason = verify_checkpoint(target, mode)
             if reason is not None:
                 raise ValueError(f"run.resume={spec}: this checkpoint is unusable: {reason}")
             path = target

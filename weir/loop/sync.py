@@ -17,7 +17,6 @@ from weir.rollout.collect import collect_groups, failure_summary
 from weir.rollout.evaluate import evaluate
 from weir.telemetry.timeline import span
 from weir.train.batch import make_batch
-from weir.train.lora import save_final_model
 
 
 @dataclass
@@ -83,7 +82,7 @@ def finish(run: Run, parts: Components, buffer: Callable | None = None) -> RunRe
     if run.cfg.run.checkpoint_every:
         run.checkpoint(parts, run.last_step, force=True, buffer=buffer)
     save = run.cfg.run.save_model
-    model_dir = save_final_model(parts.trained_model(), parts.tokenizer, run.dir) if save else None
+    model_dir = parts.save_model(run.dir) if save else None
     return RunResult(run.dir, run.history, run.evals, model_dir)
 
 

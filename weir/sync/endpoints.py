@@ -85,11 +85,17 @@ class SyncTrainerRank(TrainerRank):
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self._on_device("load_trainer_state", state)
 
-    def save(self, path: str) -> None:
-        self._on_device("save", path)
+    def save(self, path: str) -> dict[str, dict[str, Any]]:
+        return self._on_device("save", path)
 
     def load(self, path: str) -> None:
         self._on_device("load", path)
+
+    def load_hf(self, model_dir: str) -> None:
+        self._on_device("load_hf", model_dir)
+
+    def save_hf(self, out: str, bucket_mb: float) -> list[str]:
+        return self._on_device("save_hf", out, bucket_mb)
 
     def offload(self) -> int:
         """Colocated on a GPU: move the shards, gradients and optimizer state to host memory (a

@@ -13,8 +13,9 @@ FSDP2 runs collectives in every forward and backward, so ranks with fewer micro-
 padding passes (a forward of one token with a zero loss) to keep in step.
 
 `TrainerRank` is the process-level object a Ray actor wraps (weir.cluster makes the actors): it
-joins the group, builds the sharded actor, trains, gathers full weights for the engines, and
-saves / loads sharded checkpoints with torch.distributed.checkpoint (DCP).
+joins the group, builds the sharded actor on the meta device and reads only its own shard of the
+weights (weir.train.meta_init), trains, gathers full weights for the engines, and saves / loads
+sharded checkpoints with torch.distributed.checkpoint (weir.train.sharded_checkpoint).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,8 +48,10 @@ from torch.distributed.fsdp import (
 from weir.config import Config
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
+from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.packing import micro_batches
 from weir.train.precision import Precision, setup_device
+from weir.train.sharded_checkpoint import load_shards, save_shards
 
 
 def shard_model(
@@ -99,21 +102,33 @@ def balance(lengths: list[int], ranks: int) -> list[list[int]]:
 
 
 class ShardedActor(Actor):
-    """`Actor` on an FSDP2-sharded model; every rank of the default process group runs one."""
+    """`Actor` on an FSDP2-sharded model; every rank of the default process group runs one.
+
+    `model` may come sharded already (a meta-device start), and then so does `reference`, the
+    frozen initial policy for the KL term; otherwise both are sharded here.
+    """
 
     offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
 
-    def __init__(self, model: torch.nn.Module, settings: ActorSettings) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: ActorSettings,
+        reference: torch.nn.Module | None = None,
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # NCCL reduces tensors on the GPU, gloo on the CPU
         nccl = dist.get_backend() == "nccl"
         self._comm = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # the reference must be copied before `model` is sharded in place
-        self._initial = copy.deepcopy(model) if settings.algo.kl.coef > 0 else None
+        if reference is None and settings.algo.kl.coef > 0:
+            reference = copy.deepcopy(model)
+        self._initial = reference
         device = next(model.parameters()).device
         self._compute = Precision.from_config(settings.train, device=device).compute_dtype
         self._offload = settings.train.offload_optimizer
-        shard_model(model, compute_dtype=self._compute, offload=self._offload)
+        if not isinstance(model, FSDPModule):
+            shard_model(model, compute_dtype=self._compute, offload=self._offload)
         super().__init__(model, settings)
         self._initial = None
 
@@ -121,6 +136,8 @@ class ShardedActor(Actor):
         """A frozen, sharded copy of the initial model (copied before sharding)."""
         assert self._initial is not None
         ref = self._initial.eval().requires_grad_(False)
+        if isinstance(ref, FSDPModule):
+            return ref
         return shard_model(ref, compute_dtype=self._compute, offload=self._offload)
 
     def _precision(self, model: torch.nn.Module) -> Precision:
@@ -171,6 +188,15 @@ class ShardedActor(Actor):
         return total, top
 
 
+def _by_name(optim: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A one-process `optimizer.state_dict()` (parameters numbered in `model.parameters()` order)
+    keyed by parameter name, as `set_optimizer_state_dict` reads it; a named one is returned as is."""
+    if not all(isinstance(k, int) for k in optim.get("state", {})):
+        return optim
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]
+    return {"state": {names[i]: v for i, v in optim["state"].items()}, "param_groups": groups}
+
+
 def free_port() -> int:
     """A TCP port that is free on this node now (for a rendezvous this process hosts)."""
     with socket.socket() as s:
@@ -193,6 +219,7 @@ class TrainerRank:
         self.device = "cuda:0" if cfg.cluster.trainer.gpus_per_rank > 0 else "cpu"
         torch.set_num_threads(cfg.model.threads or 1)
         self.actor: ShardedActor | None = None
+        self.start: dict[str, float] = {}
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address (this node's IP and a free port)."""
@@ -202,8 +229,6 @@ class TrainerRank:
 
     def setup(self, host: str, port: int) -> int:
         """Join the trainer group and build the sharded actor; returns this rank."""
-        from weir.train.model import load_model
-
         on_gpu = self.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
         precision = Precision.from_config(self.cfg.train, device=self.device)
@@ -215,9 +240,71 @@ class TrainerRank:
             world_size=self.world,
         )
         torch.manual_seed(self.cfg.run.seed)
-        model, _ = load_model(self.model_path, precision.param_dtype, self.device)
-        self.actor = ShardedActor(model, ActorSettings.from_config(self.cfg))
+        self.actor = self._build(precision.param_dtype)
         return self.rank
+
+    def _build(self, dtype: torch.dtype) -> ShardedActor:
+        """The sharded actor, started on the meta device with only this rank's shard read from
+        disk; a model whose loading converts weights is loaded whole, as one process would.
+
+        `start["peak_rss_mb"]` is the peak resident-memory growth from the moment the (weightless)
+        model exists to the actor's being ready: what the weights cost this rank."""
+        from weir.train.meta_init import build_on_meta, disk_layout, layout_mismatch
+
+        layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
+        model = build_on_meta(self.model_path, dtype)  # imports the model's code, holds no weights
+        why = layout_mismatch(model, layout)
+        baseline = reset_peak_rss()
+        try:
+            if why is None:
+                return self._from_shards(model, dtype, layout)
+            print(
+                f"weir: trainer rank {self.rank} loads the whole model ({why}); "
+                "the meta-device start reads only a rank's shard",
+                file=sys.stderr,
+            )
+            from weir.train.model import load_model
+
+            self.start["meta"] = 0.0
+            return ShardedActor(
+                load_model(self.model_path, dtype, self.device)[0],
+                ActorSettings.from_config(self.cfg),
+            )
+        finally:
+            self.start["peak_rss_mb"] = peak_rss_since(baseline) / 2**20
+
+    def _from_shards(
+        self, model: torch.nn.Module, dtype: torch.dtype, layout: dict
+    ) -> ShardedActor:
+        from weir.train.meta_init import build_on_meta, load_local_shards, materialize
+
+        compute = Precision.from_config(self.cfg.train, device=self.device).compute_dtype
+        offload = self.cfg.train.offload_optimizer
+        where = "cpu" if offload else self.device  # FSDP2's CPU offload keeps shards on the host
+        read = 0
+
+        def start(meta: torch.nn.Module) -> torch.nn.Module:
+            nonlocal read
+            shard_model(meta, compute_dtype=compute, offload=offload)
+            materialize(meta, where)
+            read += load_local_shards(meta, layout)
+            return meta
+
+        actor_model = start(model)
+        reference = None
+        if self.cfg.algo.kl.coef > 0:  # the frozen initial policy, sharded and read the same way
+            reference = start(build_on_meta(self.model_path, dtype)).eval().requires_grad_(False)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
+        self.start.update(
+            meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20
+        )
+        return ShardedActor(actor_model, ActorSettings.from_config(self.cfg), reference=reference)
+
+    def start_stats(self) -> dict[str, float]:
+        """How this rank started: `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
+        (peak resident memory growth while building the actor), `shard_mb` (its weight shard),
+        `read_mb` (bytes read from the model files)."""
+        return dict(self.start)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         assert self.actor is not None, "setup() first"
@@ -260,42 +347,64 @@ class TrainerRank:
                 options=opts,
             )
         else:
-            set_optimizer_state_dict(a.model, a.optimizer, state["optimizer"], options=opts)
+            optim = _by_name(state["optimizer"], [n for n, _ in a.model.named_parameters()])
+            set_optimizer_state_dict(a.model, a.optimizer, optim, options=opts)
         a.scheduler.load_state_dict(state["scheduler"])
         a.kl_ctl.value = state["kl_coef"]
         a.updates, a.skipped_updates = state["updates"], state["skipped_updates"]
 
+    def load_hf(self, model_dir: str) -> None:
+        """Every rank: read its slice of every weight from an HF directory (the `model/` of a
+        one-process run's checkpoint), as the meta-device start reads the initial weights."""
+        from weir.train.meta_init import disk_layout, layout_mismatch, load_local_shards
+
+        assert self.actor is not None
+        layout = disk_layout(model_dir)
+        why = layout_mismatch(self.actor.model, layout)
+        if why is not None:
+            raise ValueError(
+                f"{model_dir} cannot be read shard by shard ({why}); resume this checkpoint with "
+                "cluster.type=local"
+            )
+        load_local_shards(self.actor.model, layout)
+
     def pid(self) -> int:
         return os.getpid()
 
-    def _dcp_state(self) -> dict:
-        """This rank's shards of model and optimizer, plus schedule and update count: what DCP saves,
-        and the template it loads into."""
+    def save(self, path: str) -> dict[str, dict[str, Any]]:
+        """Sharded checkpoint of model, optimizer, schedule and counters: every rank writes its own
+        shards and returns their manifest entries (weir.train.sharded_checkpoint)."""
         assert self.actor is not None
-        model_sd, optim_sd = get_state_dict(self.actor.model, self.actor.optimizer)
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "scheduler": self.actor.scheduler.state_dict(),
-            "updates": self.actor.updates,
-        }
-
-    def save(self, path: str) -> None:
-        """Sharded checkpoint of model and optimizer (every rank writes its shards) with DCP."""
-        dcp.save(self._dcp_state(), checkpoint_id=str(Path(path)))
+        return save_shards(self.actor, path, self.rank)
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (the same number of ranks or not: DCP reshards)."""
-        state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(Path(path)))
-        set_state_dict(
-            self.actor.model,
-            self.actor.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        self.actor.scheduler.load_state_dict(state["scheduler"])
-        self.actor.updates = int(state["updates"])
+        assert self.actor is not None
+        load_shards(self.actor, path)
+
+    def save_hf(self, out: str, bucket_mb: float) -> list[str]:
+        """Collective: the current weights as HF safetensors files in `out`, gathered one tensor at
+        a time and written by rank 0 in files of about `bucket_mb`; returns the files (rank 0)."""
+        from weir.train.meta_init import disk_layout, layout_mismatch, write_hf_weights
+
+        assert self.actor is not None
+        model = self.actor.model
+        layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
+        if layout_mismatch(model, layout) is None:
+            return write_hf_weights(
+                model, out, write=self.rank == 0, bucket_bytes=int(bucket_mb * 2**20)
+            )
+        # the HF layout differs from the module's: let transformers convert a whole copy
+        state = self.full_state()
+        if self.rank != 0:
+            return []
+        from weir.train.meta_init import build_on_meta, materialize
+
+        whole = build_on_meta(self.model_path, next(iter(state.values())).dtype)
+        materialize(whole, "cpu")
+        whole.load_state_dict(state)
+        whole.save_pretrained(out, safe_serialization=True)
+        return sorted(p.name for p in Path(out).iterdir())
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -386,12 +495,24 @@ class TrainerGroup:
 
         self.call("load_trainer_state", ray.put(state))
 
-    def save(self, path: str) -> None:
-        """Sharded DCP checkpoint of model, optimizer and schedule (every rank writes its part)."""
-        self.call("save", str(path))
+    def save(self, path: str) -> dict[str, dict[str, Any]]:
+        """Sharded DCP checkpoint of model, optimizer and schedule: every rank writes and hashes
+        its part in parallel; returns the manifest entries of every rank's files."""
+        entries: dict[str, dict[str, Any]] = {}
+        for part in self.call("save", str(path)):
+            entries.update(part)
+        return entries
 
     def load(self, path: str) -> None:
         self.call("load", str(path))
+
+    def save_hf(self, out: str, bucket_mb: float = 512.0) -> list[str]:
+        """The current weights as HF safetensors files in `out` (no config, no tokenizer)."""
+        return self.call("save_hf", str(out), bucket_mb)[0]
+
+    def start_stats(self) -> list[dict[str, float]]:
+        """Each rank's `TrainerRank.start_stats`, in rank order."""
+        return self.call("start_stats")
 
     def shutdown(self) -> None:
         import ray

@@ -1,4 +1,7 @@
-"""`weir export`: a checkpoint (or a run directory) becomes a standard Hugging Face model directory."""
+"""`weir export`: a checkpoint (or a run directory) becomes a standard Hugging Face model directory.
+
+A sharded checkpoint (a Ray run's: DCP shards in ``trainer/``) is converted offline, in this one
+process (weir.train.sharded_checkpoint.export_sharded)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,16 @@ import json
 from pathlib import Path
 
 from weir.train.checkpoint import latest_checkpoint, read_manifest, verify_checkpoint
+from weir.train.sharded_checkpoint import export_sharded, is_sharded
 
 
-def find_model_dir(source: str | Path) -> tuple[Path, dict]:
+def find_model_dir(source: str | Path, *, sharded_ok: bool = False) -> tuple[Path, dict]:
     """The HF directory inside `source` and what it is: a checkpoint (`<ckpt>/model`), a run
-    directory (its newest complete checkpoint, else its final `model/`), or an HF directory itself."""
+    directory (its newest complete checkpoint, else its final `model/`), or an HF directory itself.
+
+    A sharded checkpoint's `model/` has no weights: with `sharded_ok` it is returned all the same
+    (origin "sharded": True, for `export_model` to convert); otherwise a run directory falls back
+    to its final `model/`, and a checkpoint is refused with the command that converts it."""
     src = Path(source)
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such checkpoint, run directory or model directory")
@@ -19,11 +27,21 @@ def find_model_dir(source: str | Path) -> tuple[Path, dict]:
         if reason is not None:
             raise ValueError(f"checkpoint {src} is unusable: {reason}")
         manifest = read_manifest(src)
-        return src / "model", {"checkpoint": str(src), "step": manifest["step"]}
+        origin = {"checkpoint": str(src), "step": manifest["step"]}
+        if is_sharded(src):
+            if not sharded_ok:
+                raise ValueError(
+                    f"checkpoint {src} is sharded (a Ray run's); convert it to an HF directory "
+                    f"first: weir export {src} --out DIR"
+                )
+            origin["sharded"] = True
+        return src / "model", origin
     if (src / "checkpoints").is_dir():
         ckpt, _ = latest_checkpoint(src / "checkpoints")
-        if ckpt is not None:
-            return find_model_dir(ckpt)
+        if ckpt is not None and (
+            sharded_ok or not is_sharded(ckpt) or not (src / "model").is_dir()
+        ):
+            return find_model_dir(ckpt, sharded_ok=sharded_ok)
     if (src / "model").is_dir():
         return src / "model", {"run": str(src), "final": True}
     if (src / "config.json").exists():
@@ -51,7 +69,7 @@ def export_model(
     from weir.train.lora import is_adapter_dir
     from weir.train.model import DTYPES
 
-    model_dir, origin = find_model_dir(source)
+    model_dir, origin = find_model_dir(source, sharded_ok=True)
     if adapter and origin.get("final") and is_adapter_dir(model_dir.parent / "adapter"):
         model_dir = model_dir.parent / "adapter"  # a finished LoRA run: model/ is merged
     if is_adapter_dir(model_dir):
@@ -67,6 +85,11 @@ def export_model(
     out = Path(out)
     if out.resolve() == model_dir.resolve():
         raise ValueError(f"--out {out} is the source directory; choose another")
+    if origin.get("sharded"):  # DCP shards -> HF files, then loaded back as a check
+        export_sharded(origin["checkpoint"], out, dtype)
+        AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+        (out / "weir_export.json").write_text(json.dumps({"source": origin}, indent=1))
+        return out
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=DTYPES[dtype] if dtype else "auto"
