@@ -39,7 +39,7 @@ def test_engine_sleeps_while_the_trainer_trains(
     )
     train = Actor.train
 
-    def recording_train(self, batch):
+    def recording_train(self, batch, **kwargs):
         eng = engines[0]
         params = list(eng.model.parameters())
         seen.append(
@@ -49,7 +49,7 @@ def test_engine_sleeps_while_the_trainer_trains(
                 any(p.untyped_storage().nbytes() == 0 for p in self.model.parameters()),
             )
         )
-        return train(self, batch)
+        return train(self, batch, **kwargs)
 
     monkeypatch.setattr(Actor, "train", recording_train)
     cfg = {**SMALL, "loop": loop, "engine": engine}
