@@ -19,6 +19,7 @@ from weir.config import Config
 from weir.config.devices import resolve_device, resolve_dtype
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
+from weir.data.vision import VisionInputs, encode_vision_prompt, processor_of
 from weir.engine.base import SamplingParams
 from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
@@ -100,12 +101,45 @@ class PromptEncoder:
             system_prompt=d.system_prompt,
             use_chat_template=d.chat_template,
         )
+        processor = processor_of(tokenizer)
+        self._encode_vision = None
+        if processor is not None:  # a vision-language model: its processor places the images
+            self._encode_vision = partial(
+                encode_vision_prompt,
+                processor,
+                prompt_key=d.prompt_key,
+                image_key=cfg.vision.image_key,
+                system_prompt=d.system_prompt,
+                allow_remote=cfg.vision.allow_remote_urls,
+            )
+
+    @property
+    def takes_images(self) -> bool:
+        return self._encode_vision is not None
+
+    def encode(self, row: dict) -> tuple[list[int], VisionInputs | None]:
+        """Prompt ids and pixel inputs (None without images) of `row`. A prompt with images is
+        never truncated (its image tokens must stay whole): over the limit it is skipped or stops
+        the run as `data.on_long_prompt` says (`truncate` skips it)."""
+        if self._encode_vision is None:
+            return self(row), None
+        ids, vision = self._encode_vision(row)
+        return self._limit(ids, row, truncate=vision is None), vision
 
     def __call__(self, row: dict) -> list[int]:
-        ids = self._encode(row)
+        if self._encode_vision is not None:
+            ids, vision = self.encode(row)
+            if vision is not None:
+                raise ValueError(
+                    "this prompt has images: encode it with PromptEncoder.encode (ids and pixels)"
+                )
+            return ids
+        return self._limit(self._encode(row), row)
+
+    def _limit(self, ids: list[int], row: dict, truncate: bool = True) -> list[int]:
         if len(ids) <= self.max_tokens:
             return ids
-        if self.policy == "truncate":
+        if self.policy == "truncate" and truncate:
             self.truncated += 1
             return ids[-self.max_tokens :]
         err = PromptTooLong(len(ids), self.max_tokens, row.get("_index"))
@@ -213,7 +247,8 @@ def make_contexts(
             max_new_tokens=r.max_new_tokens,
         ),
         reward_fn=reward_function(cfg, reward),
-        encode=PromptEncoder(cfg, tokenizer),
+        encode=(encode := PromptEncoder(cfg, tokenizer)),
+        encode_vision=encode.encode if encode.takes_images else None,
         reward_timeout_s=cfg.reward.timeout_s,
         extras=agent_extras(cfg),
     )
