@@ -39,6 +39,7 @@ class VisionModel:
         self.model_type = str(config.model_type)
         self.image_token_id = int(config.image_token_id)
         self.video_token_id = int(getattr(config, "video_token_id", -1))
+        self.merge = int(config.vision_config.spatial_merge_size)
         base = getattr(model, "model", model)
         if not hasattr(base, "get_rope_index"):
             raise ValueError(f"{type(model).__name__} has no get_rope_index (not an M-RoPE model)")
@@ -74,11 +75,11 @@ class VisionModel:
         if grid is None:
             raise ValueError("pixel inputs without image_grid_thw")
         # the vision tower merges spatial_merge_size**2 patches into one token
-        merged = int(grid.prod(-1).sum())
-        if n_tok == 0 or merged % n_tok:
+        expected = int(grid.prod(-1).sum()) // self.merge**2
+        if n_tok != expected:
             raise ValueError(
-                f"the prompt has {n_tok} image tokens for {merged} image patches; encode it with the "
-                "model's own processor"
+                f"the prompt has {n_tok} image tokens for {expected} merged image patches; encode "
+                "it with the model's own processor"
             )
 
     def padded_inputs(

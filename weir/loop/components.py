@@ -236,6 +236,12 @@ def make_contexts(
     """Rollout contexts for training (rollout.* sampling) and evaluation (eval.* sampling)."""
     r, e = cfg.rollout, cfg.eval
     configure_sandbox(cfg.sandbox)  # code rewards and the python tool run programs there
+    processor = processor_of(tokenizer)
+    placeholders = (
+        frozenset({processor.image_token_id, processor.video_token_id})
+        if processor
+        else frozenset()
+    )
     train_ctx = RolloutContext(
         engine=engine,
         tokenizer=tokenizer,
@@ -245,10 +251,12 @@ def make_contexts(
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
+            stop_token_ids=sorted(placeholders),
         ),
         reward_fn=reward_function(cfg, reward),
         encode=(encode := PromptEncoder(cfg, tokenizer)),
         encode_vision=encode.encode if encode.takes_images else None,
+        placeholder_ids=placeholders,
         reward_timeout_s=cfg.reward.timeout_s,
         extras=agent_extras(cfg),
     )

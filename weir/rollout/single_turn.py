@@ -34,6 +34,9 @@ class RolloutContext:
     reward_timeout_s: float | None = 30.0
     extras: dict[str, Any] = field(default_factory=dict)
     encode_vision: Callable[[dict], tuple[list[int], Any]] | None = None
+    placeholder_ids: frozenset[int] = frozenset()
+    """A vision-language model's image/video placeholder ids: a response that emits one stops
+    there and fails (it cannot be trained: no pixels stand behind it); `sampling` stops on them."""
 
     def encode_prompt(self, row: dict) -> tuple[list[int], Any]:
         """Prompt ids and pixel inputs (None for a text-only prompt or model) of `row`."""
@@ -71,6 +74,11 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
         )
         for i, c in enumerate(completions)
     ]
+    if ctx.placeholder_ids:
+        for s in samples:
+            if ctx.placeholder_ids.intersection(s.response_ids):
+                s.status = Status.FAILED
+                s.error = "the response emitted an image placeholder token (no pixels behind it)"
     with async_span("reward", key, cat="reward"):
         await asyncio.gather(
             *(score(ctx.reward_fn, s, row, timeout_s=ctx.reward_timeout_s) for s in samples)
