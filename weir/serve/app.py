@@ -52,6 +52,7 @@ from weir.serve.chat import (
 )
 from weir.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     OpenSessionRequest,
     RewardRequest,
