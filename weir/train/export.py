@@ -37,7 +37,12 @@ def export_model(source: str | Path, out: str | Path, dtype: str | None = None) 
     """Write the model of `source` to `out` as safetensors + config + tokenizer, loadable with
     `AutoModelForCausalLM.from_pretrained(out)`; it is loaded and re-saved, so what is written is
     known to load. `dtype` (float32, bfloat16) converts the weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
     from weir.train.model import DTYPES
 
@@ -48,12 +53,16 @@ def export_model(source: str | Path, out: str | Path, dtype: str | None = None) 
     if out.resolve() == model_dir.resolve():
         raise ValueError(f"--out {out} is the source directory; choose another")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=DTYPES[dtype] if dtype else "auto"
-    )
+    processor = None  # a vision-language model: its image processor goes along
+    auto = AutoModelForCausalLM
+    if getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None) is not None:
+        from weir.data.vision_processor import load_processor
+
+        processor, auto = load_processor(model_dir), AutoModelForImageTextToText
+    model = auto.from_pretrained(model_dir, dtype=DTYPES[dtype] if dtype else "auto")
     model.config.use_cache = True  # training switches the KV cache off; generation wants it
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    (processor or tokenizer).save_pretrained(out)
     (out / "weir_export.json").write_text(json.dumps({"source": origin}, indent=1))
     return out
