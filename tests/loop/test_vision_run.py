@@ -26,8 +26,8 @@ def _config(tmp_path, name: str, steps: int, **extra) -> dict:
             "seed": 3,
         },
         "model": {"path": "tiny-vlm:nano", "threads": 1},
-        "data": {"task": "shapes", "eval_size": 4, "task_options": {"questions": "colour"}},
-        "rollout": {"n": 4, "batch_prompts": 3, "max_new_tokens": 4, "temperature": 1.0},
+        "data": {"task": "shapes", "eval_size": 2, "task_options": {"questions": "colour"}},
+        "rollout": {"n": 3, "batch_prompts": 2, "max_new_tokens": 4, "temperature": 1.0},
         "train": {"lr": 2e-3},
         "telemetry": {"console": False},
     }
@@ -81,3 +81,20 @@ def test_buffered_groups_keep_their_pixels():
     g = Group([Sample(ids, [5, 6], reward=1.0, vision=vision) for _ in range(2)], row=row)
     back = _group_from_dict(_group_to_dict(g))
     assert all(s.vision.equal(vision) and s.vision.images == vision.images for s in back.samples)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("engine.type=vllm", "engine.type=torch with cluster.type=local"),
+        ("cluster.type=ray", "engine.type=torch with cluster.type=local"),
+        ("rollout.function=weir.rollout.multi_turn:rollout", "multi-turn"),
+    ],
+)
+def test_runs_that_would_drop_images_are_refused(override, match):
+    from weir.config import load_config
+    from weir.loop.components import _check_vision_run
+
+    _check_vision_run(load_config(None, []))  # the defaults keep images
+    with pytest.raises(ValueError, match=match):
+        _check_vision_run(load_config(None, [override]))

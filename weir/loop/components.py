@@ -311,6 +311,8 @@ def build(
         check_model_path(cfg.model.path)
     model, tokenizer = load_run_model(cfg, run_dir)
     model_support(model.config)  # and with the attention implementation it was loaded with
+    if processor_of(tokenizer) is not None:
+        _check_vision_run(cfg)
     ray_parts = None
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
@@ -348,6 +350,21 @@ def build(
         if ray_parts is not None:
             ray_parts.shutdown()
         raise
+
+
+def _check_vision_run(cfg: Config) -> None:
+    """Refuse, before any work, the parts of a run that would drop a VLM's images."""
+    if cfg.engine.type != "torch" or cfg.cluster.type != "local":
+        raise ValueError(
+            f"a vision-language model runs on engine.type=torch with cluster.type=local only (got "
+            f"{cfg.engine.type} / {cfg.cluster.type}): set both (docs/multimodal.md)"
+        )
+    fn = cfg.rollout.function
+    if cfg.agent.env is not None or "multi_turn" in fn or fn.startswith("weir.serve"):
+        raise ValueError(
+            "multi-turn agent rollouts do not carry images yet; use the single-turn rollout "
+            "(rollout.function) with a vision-language model (docs/multimodal.md)"
+        )
 
 
 def _components(cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter):
