@@ -30,6 +30,6 @@ def test_shapes_demo_reads_colours_from_pixels(tmp_path):
         ],
     )
     # four colours: chance is 25%; the same question text for every image
-    assert summary["accuracy_after_sft"] >= 0.6
+    assert summary["accuracy_after_sft"] >= 0.45  # P(>= 18 of 40 | chance) < 0.005
     metrics = (tmp_path / "demo" / "rl" / "metrics.jsonl").read_text()
     assert metrics.count('"reward/mean"') == 2
