@@ -52,8 +52,9 @@ def _rows() -> list[dict]:
 
 
 def _hf_logprobs(model, ids, vision, response):
-    """Reference: the model's own forward; it computes M-RoPE positions from mm_token_type_ids."""
-    t = torch.tensor([ids + response])
+    """Reference: the model's own forward; it computes M-RoPE positions from mm_token_type_ids.
+    The last response token is only a target (a sampled placeholder token has no pixels)."""
+    t = torch.tensor([ids + response[:-1]])
     kw = dict(vision.tensors) if vision is not None else {}
     types = (t == model.config.image_token_id).int()
     with torch.no_grad():
@@ -185,3 +186,38 @@ def test_refusals(vlm, tiny_model_dir):
             engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2), vision).result(timeout=60)
     finally:
         engine.close()
+
+
+def test_weight_update_mid_generation_rebuilds_the_kv_with_the_pixels(vlm):
+    """After an update the engine re-prefills the rows in flight, images included: every token after
+    the update has the new model's log-prob, every token before it the old model's."""
+    import copy
+    import time
+
+    model, processor = vlm
+    ids, vision = encode_vision_prompt(processor, _rows()[1])
+    old = copy.deepcopy(model)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = TorchEngine(copy.deepcopy(model), eos_token_ids=[], pad_token_id=0, seed=0)
+    try:
+        fut = engine.submit(ids, SamplingParams(n=2, max_new_tokens=200, seed=7), vision)
+        while engine.stats()["generated_tokens"] < 4:
+            time.sleep(0.001)
+        engine.update_weights_sync(list(new.named_parameters()), version=1)
+        comps = fut.result(timeout=120)
+    finally:
+        engine.close()
+    for c in comps:
+        versions = torch.tensor(c.versions)
+        assert 0 < int((versions == 1).sum()) < len(c.token_ids), (
+            "the update must fall mid-response"
+        )
+        got = torch.tensor(c.logprobs)
+        before, after = versions == 0, versions == 1
+        ref_old = _hf_logprobs(old, ids, vision, c.token_ids)
+        ref_new = _hf_logprobs(new, ids, vision, c.token_ids)
+        assert (got[before] - ref_old[before]).abs().max() < TOL
+        assert (got[after] - ref_new[after]).abs().max() < TOL

@@ -174,6 +174,11 @@ class TorchEngine:
         attn = getattr(config, "_attn_implementation", None) or "eager"
         self._support = model_support(config)  # raises UnsupportedModel (see weir.engine.support)
         self._vision = vision_model(model)  # pixels and M-RoPE positions (None: text-only model)
+        # A sampled image placeholder has no pixels behind it: the sample stops there (and the
+        # rollout fails it), so no forward ever sees more placeholders than image features.
+        self._placeholders = (
+            [self._vision.image_token_id, self._vision.video_token_id] if self._vision else []
+        )
         config = config.get_text_config()
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -874,7 +879,7 @@ class TorchEngine:
             pos = len(r.prompt) + delta  # the first generated token's position
             row = [0, pos, width - len(r.prompt), 0, maxnew, topk, 0, int(r.filtered)]
             frow = [1.0 if r.greedy else 1.0 / p.temperature, p.top_p]
-            stops = self.eos_token_ids + [int(t) for t in p.stop_token_ids]
+            stops = self.eos_token_ids + self._placeholders + [int(t) for t in p.stop_token_ids]
             for i in range(p.n):
                 row[I_KEY] = sample_key(r.seed, i)
                 ints_rows.append(list(row))
