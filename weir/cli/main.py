@@ -225,7 +225,8 @@ def demo(
     task: Annotated[
         str,
         typer.Option(
-            help="Demo task: arithmetic, calculator (a tool-using agent) or code (sandboxed tests)."
+            help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests) "
+            "or shapes (a vision-language model on PIL images)."
         ),
     ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),

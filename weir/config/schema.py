@@ -561,6 +561,18 @@ class LoraConfig(Section):
     """Rank-stabilised scaling alpha / sqrt(rank) instead of alpha / rank."""
 
 
+class VisionConfig(Section):
+    """Prompts with images, for a vision-language model (docs/multimodal.md)."""
+
+    image_key: str = "images"
+    """Row field holding the prompt's images (one reference or a list: a file path, a data URL,
+    bytes, or an HF `datasets` Image dict); they go before the text of the first user turn.
+    Images may also come as content parts of a chat (`image_url` or `image`)."""
+    allow_remote_urls: bool = False
+    """Fetch `http(s)://` image URLs, in data rows and in the server's `image_url` parts. Off: such
+    an image is refused (the row is skipped and counted; the server answers 400)."""
+
+
 class Config(Section):
     """The whole run. Load from YAML with `load_config`; override with dotted keys."""
 
@@ -582,6 +594,7 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    vision: VisionConfig = Field(default_factory=VisionConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from weir.data.vision import VisionInputs
+
 
 class Status(str, enum.Enum):
     COMPLETED = "completed"  # the engine emitted a stop token
@@ -43,8 +45,11 @@ class Sample:
     prompt_text: str = ""
     response_text: str = ""
     behavior_logprobs: list[float] | None = None
+    vision: VisionInputs | None = None
+    """The prompt's pixel inputs (a vision-language prompt with images), shared by a group's samples."""
 
     def __post_init__(self) -> None:
+        self.vision = VisionInputs.coerce(self.vision)
         n = len(self.response_ids)
         if not self.loss_mask:
             self.loss_mask = [1] * n

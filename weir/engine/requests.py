@@ -12,10 +12,28 @@ __all__ = ["Request", "expand_versions", "set_exception", "set_result"]
 
 
 class Request:
-    __slots__ = ("prompt", "params", "future", "seed", "results", "remaining", "greedy", "filtered")
+    __slots__ = (
+        "prompt",
+        "params",
+        "future",
+        "seed",
+        "results",
+        "remaining",
+        "greedy",
+        "filtered",
+        "vision",
+    )
 
-    def __init__(self, prompt: list[int], params: SamplingParams, future: Future, seed: int):
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        future: Future,
+        seed: int,
+        vision: Any = None,
+    ):
         self.prompt = prompt
+        self.vision = vision  # the prompt's pixel inputs (weir.data.vision.VisionInputs) or None
         self.params = params
         self.future = future
         self.seed = seed

@@ -47,6 +47,9 @@ SUPPORTED: dict[str, _Arch] = {
     # GptOssModel builds its masks without position_ids, so packed sequences attend to each other.
     "gpt_oss": _Arch("per_layer_type", packing=False, name="GPT-OSS"),
     "deepseek_v3": _Arch("single", name="DeepSeek-V3 (MLA)"),
+    # vision-language: the text decoder's masks as qwen2's, the pixels and M-RoPE positions from
+    # weir.data.vision_model (packing: 1-D text positions lead the 4-row position ids)
+    "qwen2_5_vl": _Arch("per_layer_type", name="Qwen2.5-VL"),
 }
 
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -91,6 +94,7 @@ def model_support(config: Any) -> ModelSupport:
             model_type or "<no model_type>",
             f"weir runs exactly: {known} (docs/models.md)",
         )
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     attn = getattr(config, "_attn_implementation", None) or "eager"
     if attn not in ("sdpa", "eager"):
         raise _refuse(

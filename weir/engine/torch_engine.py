@@ -82,6 +82,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from weir.data.vision import VisionInputs
+from weir.data.vision_model import vision_model
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.kv_budget import (
     GB,
@@ -171,6 +173,13 @@ class TorchEngine:
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
         self._support = model_support(config)  # raises UnsupportedModel (see weir.engine.support)
+        self._vision = vision_model(model)  # pixels and M-RoPE positions (None: text-only model)
+        # A sampled image placeholder has no pixels behind it: the sample stops there (and the
+        # rollout fails it), so no forward ever sees more placeholders than image features.
+        self._placeholders = (
+            [self._vision.image_token_id, self._vision.video_token_id] if self._vision else []
+        )
+        config = config.get_text_config()
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -229,35 +238,42 @@ class TorchEngine:
     # -- plain-thread API --------------------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        vision: VisionInputs | None = None,
     ) -> Future[list[Completion]]:
-        """Queue one prompt; the future resolves to its ``params.n`` completions (or the error)."""
-        return self.submit_many([prompt_ids], params)[0]
+        """Queue one prompt; the future resolves to its ``params.n`` completions (or the error).
+        `vision`: the prompt's pixel inputs (a vision-language model's prompt with images)."""
+        return self.submit_many([prompt_ids], params, [vision])[0]
 
     def submit_many(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        visions: Sequence[VisionInputs | None] | None = None,
     ) -> list[Future[list[Completion]]]:
         """Queue several prompts at once (they are admitted together); one future per prompt.
 
         `params` is one `SamplingParams` for all prompts or one per prompt. (With one seeded params
-        object for all prompts, every prompt uses the same random streams.)
+        object for all prompts, every prompt uses the same random streams.) `visions`: each
+        prompt's pixel inputs or None.
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params if params is not None else SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        visions = list(visions) if visions is not None else [None] * len(prompts)
         futures: list[Future[list[Completion]]] = []
         reqs: list[Request] = []
         with self._mu:
             if self._closed:
                 raise RuntimeError("TorchEngine is closed")
-            for prompt_ids, sp in zip(prompts, params, strict=True):
+            for prompt_ids, sp, vision in zip(prompts, params, visions, strict=True):
                 fut: Future[list[Completion]] = Future()
                 futures.append(fut)
                 prompt = [int(x) for x in prompt_ids]
-                error = self._check_prompt(prompt)
+                error = self._check_prompt(prompt) or self._check_vision(prompt, vision)
                 if error is not None:
                     fut.set_exception(error)
                     continue
@@ -266,7 +282,7 @@ class TorchEngine:
                 if sp.max_new_tokens == 0:
                     fut.set_result([Completion([], [], [], "length") for _ in range(sp.n)])
                     continue
-                req = Request(prompt, sp, fut, seed)
+                req = Request(prompt, sp, fut, seed, vision)
                 reqs.append(req)
                 self._pending.append(req)
             self._cond.notify_all()
@@ -432,9 +448,12 @@ class TorchEngine:
     # -- async API (the Engine protocol) -----------------------------------------------------------
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        vision: VisionInputs | None = None,
     ) -> list[Completion]:
-        return await asyncio.wrap_future(self.submit(prompt_ids, params))
+        return await asyncio.wrap_future(self.submit(prompt_ids, params, vision))
 
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -465,6 +484,20 @@ class TorchEngine:
             return ValueError(
                 f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+        return None
+
+    def _check_vision(self, prompt: list[int], vision: VisionInputs | None) -> Exception | None:
+        if self._vision is None:
+            if vision is not None:
+                return ValueError(
+                    "the request has images but the engine's model is text-only; use a "
+                    "vision-language model (docs/multimodal.md)"
+                )
+            return None
+        try:
+            self._vision.check(prompt, vision)
+        except ValueError as err:
+            return err
         return None
 
     def _on_future_done(self, fut: Future, req: Request) -> None:
@@ -706,10 +739,16 @@ class TorchEngine:
             raise self._kv_error(prompt_len, n, min(max_new_tokens, self.max_seq_len - prompt_len))
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: SlabCache
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        cache: SlabCache,
+        **pixels: torch.Tensor,
     ) -> torch.Tensor:
         """Logits of the last position, float32 [rows, vocab]. `mask` is a boolean [rows, 1, q, kv]
-        (causal + padding); sliding windows are added per layer type by `layer_masks`."""
+        (causal + padding); sliding windows are added per layer type by `layer_masks`. `pixels`:
+        a vision-language prefill's pixel inputs."""
         masks = layer_masks(mask, self._support, self._dtype if self._eager else None)
         out = self.model(
             input_ids=ids,
@@ -718,6 +757,7 @@ class TorchEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **pixels,
         )
         cache.geo.length += ids.shape[1]
         return out.logits[:, -1, :].float()
@@ -742,10 +782,15 @@ class TorchEngine:
                 raise
 
     def _prefill_forward(
-        self, seqs: list[list[int]], cache: SlabCache, width: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        seqs: list[list[int]],
+        cache: SlabCache,
+        width: int | None = None,
+        visions: list[VisionInputs | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One forward over `seqs` left-padded to `width` (default: the longest), filling `cache`.
-        Returns the last position's logits and each sequence's first real column."""
+        Returns the last position's logits, each sequence's first real column and its position
+        offset (a vision-language model's rope delta, `weir.data.vision_model`; else 0)."""
         dev = self._device
         lens = [len(x) for x in seqs]
         width = width or max(lens)
@@ -760,8 +805,13 @@ class TorchEngine:
         )
         mask |= torch.eye(width, dtype=torch.bool, device=dev)
         pos = (col[None, :] - start[:, None]).clamp_(min=0)
-        logits = self._forward(ids, mask[:, None], pos, cache)
-        return logits, start
+        deltas, pixels = [0] * len(seqs), {}
+        if self._vision is not None:
+            visions = visions or [None] * len(seqs)
+            pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
+            pos = pixels.pop("position_ids")
+        logits = self._forward(ids, mask[:, None], pos, cache, **pixels)
+        return logits, start, deltas
 
     def _recompute_kv(self) -> None:
         """Rebuild the running rows' KV cache under the current weights (after a weight update), so
@@ -771,18 +821,19 @@ class TorchEngine:
         toks = b.out_tok_v.tolist()
         # The cache holds prompt + generated[:-1]; the last generated token is the next input.
         seqs = [b.reqs[r].prompt + toks[r][: ngen[r] - 1] for r in range(b.n)]
+        visions = [b.reqs[r].vision for r in range(b.n)]
         width = max(len(x) for x in seqs)
         cols = width + b.remaining() + 1
         chunk = max(1, self.max_prefill_tokens // width)
         if chunk >= b.n:
             cache = SlabCache(self._num_layers, Geometry(b.n), cols)
-            _, start = self._prefill_forward(seqs, cache)
+            _, start, _ = self._prefill_forward(seqs, cache, visions=visions)
         else:  # several forwards, each padded to the common width, copied into one cache
             cache, starts = None, []
             for lo in range(0, b.n, chunk):
                 hi = min(lo + chunk, b.n)
                 part = SlabCache(self._num_layers, Geometry(hi - lo), width)
-                _, part_start = self._prefill_forward(seqs[lo:hi], part, width)
+                _, part_start, _ = self._prefill_forward(seqs[lo:hi], part, width, visions[lo:hi])
                 if cache is None:
                     cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
                     for layer, src in zip(cache.layers, part.layers, strict=True):
@@ -807,7 +858,9 @@ class TorchEngine:
         lens = [len(r.prompt) for r in reqs]
         width = max(lens)
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
-        logits, _ = self._prefill_forward([r.prompt for r in reqs], cache)
+        logits, _, deltas = self._prefill_forward(
+            [r.prompt for r in reqs], cache, visions=[r.vision for r in reqs]
+        )
         self._stats["prefill_tokens"] += sum(lens)
 
         # One row per sample: a prompt's cache and logits are shared by its n samples.
@@ -818,14 +871,15 @@ class TorchEngine:
         row_reqs = [r for r, n in zip(reqs, ns, strict=True) for _ in range(n)]
         sample_idx = [i for n in ns for i in range(n)]
         ints_rows, float_rows, stop_rows = [], [], []
-        for r in reqs:
+        for r, delta in zip(reqs, deltas, strict=True):
             p = r.params
             topk = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
             r.filtered = not r.greedy and (topk < self.vocab_size or p.top_p < 1.0)
             maxnew = min(p.max_new_tokens, self.max_seq_len - len(r.prompt))
-            row = [0, len(r.prompt), width - len(r.prompt), 0, maxnew, topk, 0, int(r.filtered)]
+            pos = len(r.prompt) + delta  # the first generated token's position
+            row = [0, pos, width - len(r.prompt), 0, maxnew, topk, 0, int(r.filtered)]
             frow = [1.0 if r.greedy else 1.0 / p.temperature, p.top_p]
-            stops = self.eos_token_ids + [int(t) for t in p.stop_token_ids]
+            stops = self.eos_token_ids + self._placeholders + [int(t) for t in p.stop_token_ids]
             for i in range(p.n):
                 row[I_KEY] = sample_key(r.seed, i)
                 ints_rows.append(list(row))

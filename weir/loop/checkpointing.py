@@ -105,20 +105,22 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     Qwen3-MoE's experts: one tensor per expert on disk, fused in memory). Every parameter and buffer
     of `model` must be found, with its shape.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     from weir.train.lora import is_adapter_dir, is_lora, load_adapter
 
     if is_adapter_dir(model_dir) or is_lora(model):  # a LoRA run's checkpoint holds its adapter
         return load_adapter(model, model_dir)
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     if not sorted(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     dtype = next(model.parameters()).dtype
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        loaded = auto.from_pretrained(model_dir, dtype=dtype)
     except (OSError, ValueError) as err:
         raise ValueError(f"checkpoint {model_dir} cannot be loaded: {err}") from None
     finally:

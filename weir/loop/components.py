@@ -19,6 +19,7 @@ from weir.config import Config
 from weir.config.devices import resolve_device, resolve_dtype
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
+from weir.data.vision import VisionInputs, encode_vision_prompt, processor_of
 from weir.engine.base import SamplingParams
 from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
@@ -116,12 +117,45 @@ class PromptEncoder:
             system_prompt=d.system_prompt,
             use_chat_template=d.chat_template,
         )
+        processor = processor_of(tokenizer)
+        self._encode_vision = None
+        if processor is not None:  # a vision-language model: its processor places the images
+            self._encode_vision = partial(
+                encode_vision_prompt,
+                processor,
+                prompt_key=d.prompt_key,
+                image_key=cfg.vision.image_key,
+                system_prompt=d.system_prompt,
+                allow_remote=cfg.vision.allow_remote_urls,
+            )
+
+    @property
+    def takes_images(self) -> bool:
+        return self._encode_vision is not None
+
+    def encode(self, row: dict) -> tuple[list[int], VisionInputs | None]:
+        """Prompt ids and pixel inputs (None without images) of `row`. A prompt with images is
+        never truncated (its image tokens must stay whole): over the limit it is skipped or stops
+        the run as `data.on_long_prompt` says (`truncate` skips it)."""
+        if self._encode_vision is None:
+            return self(row), None
+        ids, vision = self._encode_vision(row)
+        return self._limit(ids, row, truncate=vision is None), vision
 
     def __call__(self, row: dict) -> list[int]:
-        ids = self._encode(row)
+        if self._encode_vision is not None:
+            ids, vision = self.encode(row)
+            if vision is not None:
+                raise ValueError(
+                    "this prompt has images: encode it with PromptEncoder.encode (ids and pixels)"
+                )
+            return ids
+        return self._limit(self._encode(row), row)
+
+    def _limit(self, ids: list[int], row: dict, truncate: bool = True) -> list[int]:
         if len(ids) <= self.max_tokens:
             return ids
-        if self.policy == "truncate":
+        if self.policy == "truncate" and truncate:
             self.truncated += 1
             return ids[-self.max_tokens :]
         err = PromptTooLong(len(ids), self.max_tokens, row.get("_index"))
@@ -224,6 +258,12 @@ def make_contexts(
     """Rollout contexts for training (rollout.* sampling) and evaluation (eval.* sampling)."""
     r, e = cfg.rollout, cfg.eval
     configure_sandbox(cfg.sandbox)  # code rewards and the python tool run programs there
+    processor = processor_of(tokenizer)
+    placeholders = (
+        frozenset({processor.image_token_id, processor.video_token_id})
+        if processor
+        else frozenset()
+    )
     train_ctx = RolloutContext(
         engine=engine,
         tokenizer=tokenizer,
@@ -233,9 +273,12 @@ def make_contexts(
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
+            stop_token_ids=sorted(placeholders),
         ),
         reward_fn=reward_function(cfg, reward),
-        encode=PromptEncoder(cfg, tokenizer),
+        encode=(encode := PromptEncoder(cfg, tokenizer)),
+        encode_vision=encode.encode if encode.takes_images else None,
+        placeholder_ids=placeholders,
         reward_timeout_s=cfg.reward.timeout_s,
         extras=agent_extras(cfg),
     )
@@ -307,6 +350,8 @@ def build(
     else:
         model, tokenizer = load_run_model(cfg, run_dir)
     model_support(model.config)  # and with the attention implementation it was loaded with
+    if processor_of(tokenizer) is not None:
+        _check_vision_run(cfg)
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
 
@@ -363,6 +408,21 @@ def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | 
         settings, model, build_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
     )
     return Critic(value_model, settings)
+
+
+def _check_vision_run(cfg: Config) -> None:
+    """Refuse, before any work, the parts of a run that would drop a VLM's images."""
+    if cfg.engine.type != "torch" or cfg.cluster.type != "local":
+        raise ValueError(
+            f"a vision-language model runs on engine.type=torch with cluster.type=local only (got "
+            f"{cfg.engine.type} / {cfg.cluster.type}): set both (docs/multimodal.md)"
+        )
+    fn = cfg.rollout.function
+    if cfg.agent.env is not None or "multi_turn" in fn or fn.startswith("weir.serve"):
+        raise ValueError(
+            "multi-turn agent rollouts do not carry images yet; use the single-turn rollout "
+            "(rollout.function) with a vision-language model (docs/multimodal.md)"
+        )
 
 
 def _components(

@@ -1,7 +1,8 @@
 """`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
 
-`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent) or
-`code` (functions written from a spec, rewarded by hidden tests run in the sandbox).
+`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
+`code` (functions written from a spec, rewarded by hidden tests run in the sandbox) or `shapes` (a
+tiny Qwen2.5-VL counts shapes and names their colour in PIL images).
 """
 
 from __future__ import annotations

@@ -37,12 +37,14 @@ def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int]
         if "response" not in row:
             raise ValueError(f"SFT row {i} has no 'response' field (keys: {sorted(row)})")
         try:
-            prompt = encode(row)
+            prompt, vision = encode.encode(row)
         except PromptTooLong:  # data.on_long_prompt=skip
             skipped += 1
             continue
         response = tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]
-        out.append((prompt, [*response, eos]))
+        out.append(
+            (prompt, [*response, eos]) if vision is None else (prompt, [*response, eos], vision)
+        )
     return out, skipped
 
 

@@ -39,11 +39,20 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weir.config.schema import ServeConfig
+from weir.data.prompts import BadRow
+from weir.data.vision import VisionInputs, encode_vision_prompt, processor_of
 from weir.engine.base import Completion, Engine, SamplingParams
 from weir.rollout.tool_calls import ToolCall
-from weir.serve.chat import ChatFormatter, cut_at_stop, history_message, template_messages
+from weir.serve.chat import (
+    ChatFormatter,
+    Prompt,
+    cut_at_stop,
+    history_message,
+    template_messages,
+)
 from weir.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     OpenSessionRequest,
     RewardRequest,
@@ -138,7 +147,9 @@ class ServerState:
         sessions: SessionManager,
         model_name: str,
         stop_ids: list[int],
+        allow_remote_images: bool = False,
     ):
+        self.allow_remote_images = allow_remote_images
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -188,17 +199,44 @@ class ServerState:
                 params.seed = (forced.seed * 1_000_003 + len(session.turns)) % 2**63
         return params
 
+    def vision_prompt(self, messages: list[ChatMessage]) -> tuple[Prompt, VisionInputs | None]:
+        """Prompt ids and pixels of a chat with `image_url` parts, through the model's processor."""
+        processor = processor_of(self.tokenizer)
+        if processor is None:
+            raise ApiError(400, "this model takes no images; send text content only")
+        chat = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": [p.model_dump() for p in m.content]
+                if isinstance(m.content, list)
+                else m.text(),
+            }
+            for m in messages
+        ]
+        try:
+            ids, vision = encode_vision_prompt(
+                processor, {"messages": chat}, allow_remote=self.allow_remote_images
+            )
+        except BadRow as err:
+            raise ApiError(400, str(err).removeprefix("row, ")) from None
+        return Prompt(ids, "start"), vision
+
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, session: Session | None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session: Session | None,
+        vision: VisionInputs | None = None,
     ) -> list[Completion]:
         loop = session.loop if session is not None else None
+        extra = {"vision": vision} if vision is not None else {}
         try:
             if loop is not None and not loop.is_closed() and loop is not asyncio.get_running_loop():
                 fut = asyncio.run_coroutine_threadsafe(
-                    self.engine.generate(prompt_ids, params), loop
+                    self.engine.generate(prompt_ids, params, **extra), loop
                 )
                 return await asyncio.wrap_future(fut)
-            return await self.engine.generate(prompt_ids, params)
+            return await self.engine.generate(prompt_ids, params, **extra)
         except ValueError as err:  # the engine's own checks: prompt too long, bad token ids
             raise ApiError(400, str(err)) from None
 
@@ -357,15 +395,24 @@ def create_app(state: ServerState) -> FastAPI:
         params = state.sampling(req, req.token_limit(), session)
         tools = req.tools_for_template()
         messages = template_messages(req.messages)
+        images = any(m.has_images for m in req.messages)
+        if images and (session is not None or tools):
+            raise ApiError(
+                400, "image_url parts are served without sessions or tools; send them to /v1 alone"
+            )
         async with _maybe_lock(session):
             last = session.last_turn if session is not None else None
+            vision = None
             try:
-                prompt = state.formatter.prompt(messages, tools, last)
+                if images:
+                    prompt, vision = state.vision_prompt(req.messages)
+                else:
+                    prompt = state.formatter.prompt(messages, tools, last)
             except (TemplateError, ValueError) as err:  # messages the template cannot render
                 raise ApiError(
                     400, f"the chat template cannot render these messages: {err}"
                 ) from None
-            completions = await state.generate(prompt.ids, params, session)
+            completions = await state.generate(prompt.ids, params, session, vision)
             choices = [state.choice(c, req.stop) for c in completions]
             parsed = [state.formatter.assistant(ch.text, tools) for ch in choices]
             if session is not None:

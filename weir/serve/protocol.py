@@ -25,6 +25,19 @@ class TextPart(_Lenient):
     text: str
 
 
+class ImageURL(_Lenient):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Lenient):
+    """An image content part: ``{"type": "image_url", "image_url": {"url": "data:image/png;..."}}``
+    (a vision-language model only; remote URLs only when the server allows them)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -48,7 +61,7 @@ class ToolCallIn(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -58,7 +71,13 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(p, ImagePart) for p in self.content
+        )
 
 
 class FunctionDef(_Lenient):

@@ -54,7 +54,14 @@ def run_server(
     if threading.current_thread() is threading.main_thread():  # SIGTERM stops it like Ctrl-C
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        with Server(engine, tokenizer, cfg.serve, model_name=name, admin_key=admin_key) as server:
+        with Server(
+            engine,
+            tokenizer,
+            cfg.serve,
+            model_name=name,
+            admin_key=admin_key,
+            allow_remote_images=cfg.vision.allow_remote_urls,
+        ) as server:
             if on_start is not None:
                 on_start(server)
             try:

@@ -50,6 +50,7 @@ class Server:
         *,
         model_name: str = "weir",
         admin_key: str | None = None,
+        allow_remote_images: bool = False,
     ):
         self.config = config or ServeConfig()
         self.sessions = SessionManager(admin_key=admin_key)
@@ -60,6 +61,7 @@ class Server:
             self.sessions,
             self.config.model_name or model_name,
             engine_stop_ids(engine, tokenizer),
+            allow_remote_images=allow_remote_images,
         )
         self.app = BodyLimit(create_app(self.state), self.config.max_body_bytes)
         self._server: uvicorn.Server | None = None

@@ -7,14 +7,17 @@ offline) and PNGs beside it, from what the run directory holds:
 - a Gantt chart of trace.json: one lane per thread, one colour per phase, with how long generation
   and training overlapped and how long the trainer waited;
 - the best and the worst sample of each step by reward, from the rollout dumps
-  (telemetry.dump_rollouts).
+  (telemetry.dump_rollouts), with the prompt's images beside the response (embedded as data URLs,
+  so the page stays self-contained).
 
 What a run did not record is skipped, and the page says so.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import mimetypes
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,6 +231,31 @@ def _clip(text: str) -> str:
     return f"<pre>{html.escape(text)}</pre>"
 
 
+def _image_src(ref: str) -> str | None:
+    """A data URL for an image reference of a rollout dump: itself, or a local file read in (None
+    for a remote URL or a missing file: the page must open offline)."""
+    if ref.startswith("data:image/"):
+        return ref
+    path = Path(ref).expanduser()
+    if ref.startswith(("http://", "https://")) or not path.is_file():
+        return None
+    kind = mimetypes.guess_type(path.name)[0] or "image/png"
+    return f"data:{kind};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _images(refs: list[str]) -> str:
+    cells = []
+    for ref in refs:
+        src = _image_src(str(ref))
+        if src is None:
+            cells.append(f"<code>{html.escape(str(ref)[:80])}</code>")
+        else:
+            cells.append(
+                f'<img class="thumb" src="{html.escape(src, quote=True)}" alt="prompt image">'
+            )
+    return "".join(cells)
+
+
 def _samples_table(rollouts: dict[int, list[dict]]) -> str:
     chosen = sorted(rollouts)
     note = ""
@@ -236,6 +264,7 @@ def _samples_table(rollouts: dict[int, list[dict]]) -> str:
         chosen = sorted({chosen[round(i * stride)] for i in range(MAX_SAMPLE_STEPS)})
         note = f"<p class='note'>{len(chosen)} of {len(rollouts)} dumped steps, evenly spaced.</p>"
     rows = []
+    with_images = any(r.get("images") for step in chosen for r in rollouts[step])
     for step in chosen:
         scored = [r for r in rollouts[step] if isinstance(r.get("reward"), int | float)]
         if not scored:
@@ -246,19 +275,20 @@ def _samples_table(rollouts: dict[int, list[dict]]) -> str:
         picks = [("best", best)] + ([("worst", worst)] if len(scored) > 1 else [])
         for which, r in picks:
             prompt = r.get("prompt_text") or str((r.get("row") or {}).get("prompt", ""))
-            rows.append(
-                [
-                    str(step),
-                    which,
-                    f"{r['reward']:.4g}",
-                    f"{mean:.3g}",
-                    str(len(r.get("response_ids", []))),
-                    html.escape(str(r.get("status", ""))),
-                    _clip(prompt),
-                    _clip(r.get("response_text") or ""),
-                ]
-            )
-    header = ["step", "", "reward", "step mean", "tokens", "status", "prompt", "response"]
+            cells = [
+                str(step),
+                which,
+                f"{r['reward']:.4g}",
+                f"{mean:.3g}",
+                str(len(r.get("response_ids", []))),
+                html.escape(str(r.get("status", ""))),
+                _clip(prompt),
+            ]
+            if with_images:
+                cells.append(_images(r.get("images") or []))
+            rows.append([*cells, _clip(r.get("response_text") or "")])
+    header = ["step", "", "reward", "step mean", "tokens", "status", "prompt"]
+    header += ["image", "response"] if with_images else ["response"]
     return note + _table(header, rows, "samples")
 
 
@@ -269,6 +299,8 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ddd; p
 .figure { border: 1px solid #eee; border-radius: 4px; }
 table { border-collapse: collapse; font-size: 0.9em; margin: 8px 0; }
 td, th { border: 1px solid #ddd; padding: 4px 8px; vertical-align: top; text-align: left; }
+table.samples img.thumb { width: 96px; height: 96px; object-fit: contain;
+  image-rendering: pixelated; margin-right: 4px; border: 1px solid #ccc; }
 table.samples pre { margin: 0; white-space: pre-wrap; max-width: 560px; font-size: 0.95em; }
 .note { color: #666; font-style: italic; }
 """

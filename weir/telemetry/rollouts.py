@@ -34,6 +34,7 @@ def dump_rollouts(path: str | Path, step: int, groups: list[Group]) -> Path:
                     "rollout_logprobs": s.rollout_logprobs,
                     "versions": s.versions,
                     "row": s.row,
+                    "images": s.vision.images if s.vision is not None else [],
                 }
                 fh.write(json.dumps(record, default=repr) + "\n")
     return out

@@ -215,14 +215,18 @@ class Actor:
         trainer's device."""
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
-        seqs, lens = batch.sequences, batch.response_lengths
+        seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
         for idx in self._micro_batches(list(range(len(seqs))), seqs):
             if not idx:
                 self._idle_pass(model, backward=False)
                 continue
             with span("logprobs", cat="train", sequences=len(idx)):
                 res = self._forward(
-                    model, [seqs[i] for i in idx], [lens[i] for i in idx], pad_to=out.shape[1]
+                    model,
+                    [seqs[i] for i in idx],
+                    [lens[i] for i in idx],
+                    pad_to=out.shape[1],
+                    visions=[vis[i] for i in idx],
                 )
             out[idx] = res.logprobs
         return self._combine_rows(out)
@@ -396,7 +400,7 @@ class Actor:
         self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks
     ) -> None:
         """Forward and backward over the micro-batches of mini-batch `mb`, adding up metrics."""
-        seqs, lens = batch.sequences, batch.response_lengths
+        seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
         width = mask.shape[1]
         num_tokens = float(mask[mb].sum().item())
         num_seqs = float(mask[mb].any(1).sum().item())
@@ -412,6 +416,7 @@ class Actor:
                     with_entropy=True,
                     entropy_grad=self.acfg.entropy_coef != 0,
                     pad_to=width,
+                    visions=[vis[i] for i in idx],
                 )
             m = mask[idx]
             if not self._finite_forward(out, m):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weir.data.sample import Group, Sample
+from weir.data.vision import VisionInputs
 
 
 @dataclass
@@ -47,6 +48,11 @@ class TrainBatch:
     @property
     def sequences(self) -> list[list[int]]:
         return [s.prompt_ids + s.response_ids for s in self.samples]
+
+    @property
+    def visions(self) -> list[VisionInputs | None]:
+        """Each sample's pixel inputs (None for a prompt without images)."""
+        return [s.vision for s in self.samples]
 
     @property
     def response_lengths(self) -> list[int]:

@@ -64,7 +64,12 @@ def export_model(
     known to load. `dtype` (float32, bfloat16) converts the weights. A LoRA checkpoint is merged
     into its base model (`base` overrides the one it records), or with `adapter` written as the
     adapter alone (weir.train.lora_export)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
     from weir.train.lora import is_adapter_dir
     from weir.train.model import DTYPES
@@ -91,12 +96,16 @@ def export_model(
         (out / "weir_export.json").write_text(json.dumps({"source": origin}, indent=1))
         return out
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=DTYPES[dtype] if dtype else "auto"
-    )
+    processor = None  # a vision-language model: its image processor goes along
+    auto = AutoModelForCausalLM
+    if getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None) is not None:
+        from weir.data.vision_processor import load_processor
+
+        processor, auto = load_processor(model_dir), AutoModelForImageTextToText
+    model = auto.from_pretrained(model_dir, dtype=DTYPES[dtype] if dtype else "auto")
     model.config.use_cache = True  # training switches the KV cache off; generation wants it
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    (processor or tokenizer).save_pretrained(out)
     (out / "weir_export.json").write_text(json.dumps({"source": origin}, indent=1))
     return out

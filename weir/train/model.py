@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -20,7 +23,16 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2")
 def resolve_model_path(
     path: str, build_dir: str | Path, *, arch: str = "qwen3", seed: int = 0
 ) -> str:
-    """Return a loadable path; `tiny:<size>` builds weir's tiny model under `build_dir` once."""
+    """Return a loadable path; `tiny:<size>` builds weir's tiny model under `build_dir` once, and
+    `tiny-vlm:<size>` weir's tiny vision-language model (Qwen2.5-VL architecture)."""
+    if path.startswith("tiny-vlm:"):
+        from weir.tasks.tiny_vlm import build_tiny_vlm
+
+        size = path.split(":", 1)[1] or "tiny"
+        out = Path(build_dir) / f"tiny-vlm-{size}-seed{seed}"
+        if not (out / "config.json").exists():
+            build_tiny_vlm(out, size=size, seed=seed)
+        return str(out)
     if not path.startswith("tiny:"):
         return path
     from weir.tasks.tiny_model import build_tiny_model
@@ -48,9 +60,12 @@ def load_model(
             f"model.path={path!r}: no such directory (expected a Hugging Face model directory)"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
         torch_dtype = DTYPES[dtype or "float32"] if not isinstance(dtype, torch.dtype) else dtype
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        if _is_vision_language(path):
+            model, tokenizer = _load_vision_language(path, torch_dtype)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as err:
         raise ValueError(
             f"cannot load model.path={path!r}: {err}. Give a local HF model directory, a hub name "
@@ -68,6 +83,25 @@ def load_model(
     if device is not None:
         model = model.to(device)
     return model, tokenizer
+
+
+def _is_vision_language(path: str) -> bool:
+    try:
+        return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def _load_vision_language(path: str, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    """A vision-language model, and its processor's tokenizer with the processor attached
+    (`weir.data.vision.processor_of`)."""
+    from weir.data.vision import attach_processor
+    from weir.data.vision_processor import load_processor
+
+    processor = load_processor(path)
+    tokenizer = processor.tokenizer
+    attach_processor(tokenizer, processor)
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype), tokenizer
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -97,5 +131,8 @@ def save_model(
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(out)
+    from weir.data.vision import processor_of
+
+    processor = processor_of(tokenizer)  # a vision-language model: image processor + tokenizer
+    (processor or tokenizer).save_pretrained(out)
     return out

@@ -11,6 +11,9 @@ Two exact layouts of the same sequences:
 
 `auto` takes `packed` where the attention backend has a variable-length kernel, else `padded`.
 
+A vision-language model gets each sequence's pixel inputs (`visions`) and its multimodal rotary
+positions from `weir.data.vision_model`, the same inputs the engine's prefill builds.
+
 Log-probs and entropy are taken only at response positions (the LM head runs on those through
 `logits_to_keep`) and computed in chunks by weir.algo: no full-vocabulary float32 copy of the
 logits, nor a `logits / T` copy, is ever made.
@@ -26,6 +29,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from weir.algo import entropy_from_logits, logprobs_from_logits
+from weir.data.vision import VisionInputs
+from weir.data.vision_model import vision_model
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     pad_to: int | None = None,
     chunk_size: int = 256,
+    visions: list[VisionInputs | None] | None = None,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
 
@@ -126,6 +132,7 @@ def response_logprobs(
         entropy_grad=entropy_grad,
         pad_to=pad_to,
         chunk_size=chunk_size,
+        visions=visions,
     )
 
 
@@ -164,6 +171,7 @@ def packed_response_logprobs(
     entropy_grad: bool = False,
     pad_to: int | None = None,
     chunk_size: int = 256,
+    visions: list[VisionInputs | None] | None = None,
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module docstring)."""
     device = next(model.parameters()).device
@@ -174,11 +182,12 @@ def packed_response_logprobs(
         keep.extend(range(offset + len(seq) - n - 1, offset + len(seq) - 1))
         offset += len(seq)
     input_ids = torch.tensor([flat], device=device)
-    position_ids = torch.tensor([positions], device=device)
+    extra = {"position_ids": torch.tensor([positions], device=device)}
+    vm = vision_model(model)
+    if vm is not None:  # even without images: the 1-D text positions keep the sequences apart
+        extra = vm.packed_inputs(sequences, visions or [None] * len(sequences))
     keep_idx = torch.tensor(keep, device=device)
-    out = model(
-        input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep_idx
-    )
+    out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
     logp, ent = _token_stats(
         out.logits[0],
         input_ids[0, keep_idx + 1],
@@ -203,6 +212,7 @@ def padded_response_logprobs(
     entropy_grad: bool = False,
     pad_to: int | None = None,
     chunk_size: int = 256,
+    visions: list[VisionInputs | None] | None = None,
 ) -> PackedOutput:
     """The `padded` layout: one left-padded row per sequence.
 
@@ -220,13 +230,19 @@ def padded_response_logprobs(
         ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
         attn[i, width - len(seq) :] = 1
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    ids, attn, positions = ids.to(device), attn.to(device), positions.to(device)
+    ids, attn = ids.to(device), attn.to(device)
+    extra = {"position_ids": positions.to(device)}
+    if visions is not None and any(v is not None for v in visions):
+        vm = vision_model(model)
+        if vm is None:
+            raise ValueError("sequences with images for a text-only model")
+        extra, _ = vm.padded_inputs(sequences, visions, width)
     out = model(
         input_ids=ids,
         attention_mask=attn,
-        position_ids=positions,
         use_cache=False,
         logits_to_keep=r + 1,
+        **extra,
     )
     logits = out.logits  # (b, r + 1, V): positions width - r - 1 ... width - 1
     targets = torch.cat([ids[:, width - r :], torch.zeros_like(ids[:, :1])], dim=1)

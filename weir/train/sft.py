@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from weir.config.schema import SFTConfig
+from weir.data.vision import VisionInputs
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import choose_layout, micro_batches, response_logprobs
 
 
 def sft(
     model: torch.nn.Module,
-    examples: list[tuple[list[int], list[int]]],
+    examples: list[tuple[list[int], list[int]] | tuple[list[int], list[int], VisionInputs]],
     cfg: SFTConfig,
     *,
     seed: int = 0,
@@ -24,7 +25,8 @@ def sft(
     packing: str = "auto",
     on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> list[float]:
-    """Train on (prompt_ids, response_ids) pairs; returns the loss of every optimizer step.
+    """Train on (prompt_ids, response_ids) pairs, or (prompt_ids, response_ids, pixel inputs)
+    for prompts with images; returns the loss of every optimizer step.
 
     loss = -(1/N) * sum over response tokens of log p(x_t | x_<t), N = response tokens in the batch.
     `packing` is `train.packing` (auto | packed | padded; see `weir.train.packing.choose_layout`).
@@ -53,12 +55,17 @@ def sft(
             chunk = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
             seqs = [examples[i][0] + examples[i][1] for i in chunk]
             lens = [len(examples[i][1]) for i in chunk]
+            vis = [examples[i][2] if len(examples[i]) > 2 else None for i in chunk]
             n_tokens = float(sum(lens))
             optimizer.zero_grad(set_to_none=True)
             total_loss = 0.0
             for idx in micro_batches([len(s) for s in seqs], micro_batch_tokens, layout):
                 out = response_logprobs(
-                    model, [seqs[i] for i in idx], [lens[i] for i in idx], layout=layout
+                    model,
+                    [seqs[i] for i in idx],
+                    [lens[i] for i in idx],
+                    layout=layout,
+                    visions=[vis[i] for i in idx],
                 )
                 loss = -out.logprobs.sum() / n_tokens
                 loss.backward()

@@ -1,0 +1,52 @@
+"""Loading a vision-language model's processor, and Qwen2.5-VL's processor for images only.
+
+`load_processor` is ``AutoProcessor.from_pretrained`` on the model directory. Qwen's own processor
+class also builds a video processor, which needs torchvision; PyPI's torchvision wheels are built
+against CUDA torch and do not load next to the CPU torch weir installs on CPU machines. So weir
+registers `ImageQwen2_5_VLProcessor` (the same image handling, no video) with `AutoProcessor`, and
+directories saved with it (weir's tiny VLM) load through the standard path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+__all__ = ["ImageQwen2_5_VLProcessor", "load_processor"]
+
+
+class ImageQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor for images only: the same placeholder expansion (one
+    ``<|image_pad|>`` per merged patch) and the same pixels, without the video processor."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+AutoProcessor.register(Qwen2_5_VLConfig, ImageQwen2_5_VLProcessor, exist_ok=True)
+
+
+def load_processor(path: str | Path) -> Any:
+    """The processor of the vision-language model at `path` (its tokenizer is ``.tokenizer``).
+
+    Raises ValueError, naming the fix, when the directory has no image processor."""
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+    except (OSError, ValueError, ImportError) as err:
+        raise ValueError(
+            f"cannot load the processor of the vision-language model at {path}: {err}. The "
+            "directory needs preprocessor_config.json (the image processor) beside the tokenizer"
+        ) from None
+    if getattr(processor, "image_processor", None) is None:
+        raise ValueError(
+            f"the vision-language model at {path} has no image processor "
+            "(preprocessor_config.json); copy it from the model's original directory"
+        )
+    return processor
