@@ -138,6 +138,8 @@ def test_auto_picks_prefix_for_shared_prompts_and_says_why(caplog):
     windowed = _model(use_sliding_window=True, sliding_window=4)
     assert prefix_supported(windowed) == (False, "prefix off: windowed attention")
     assert choose_layout(windowed, "auto", shared_prompts=True) == "padded"
+    with pytest.raises(ValueError, match="train.packing=prefix: prefix off: windowed attention"):
+        choose_layout(windowed, "prefix")
     checkpointed = _model()
     checkpointed.gradient_checkpointing_enable()
     assert not prefix_supported(checkpointed)[0]
@@ -256,3 +258,38 @@ def test_fused_step_with_a_nonfinite_trainer_logprob_drops_that_sample_like_two_
         results.append((stats["train/loss"], grads))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("llama3", True), ("qwen3_moe", True), ("deepseek_v3", True), ("gemma2", False)],
+)
+def test_prefix_is_on_exactly_where_it_equals_padded_on_real_architectures(
+    tmp_path, name, expected
+):
+    """Full-attention architectures (dense, MoE, MLA) take the prefix layout and give padded's
+    log-probs and gradients on 3 prompts x 3 responses; sliding-window ones (Gemma 2) are refused."""
+    from weir.tasks.tiny_archs import build_arch_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_arch_model(tmp_path / name, name)).eval()
+    assert (choose_layout(model, "auto", shared_prompts=True) == "prefix") is expected
+    if not expected:
+        return
+    rnd = random.Random(1)
+    vocab = model.config.vocab_size
+    seqs, lens = [], []
+    for _ in range(3):
+        prompt = [rnd.randrange(vocab) for _ in range(rnd.randint(3, 12))]
+        for _ in range(3):
+            n = rnd.randint(1, 15)
+            seqs.append(prompt + [rnd.randrange(vocab) for _ in range(n)])
+            lens.append(n)
+    out = {}
+    for layout in ("prefix", "padded"):
+        model.zero_grad(set_to_none=True)
+        res = response_logprobs(model, seqs, lens, layout=layout)
+        res.logprobs.sum().backward()
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        out[layout] = (res.logprobs.detach(), torch.cat(grads))
+    assert torch.allclose(out["prefix"][0], out["padded"][0], atol=1e-5)
+    assert torch.allclose(out["prefix"][1], out["padded"][1], atol=1e-4, rtol=1e-4)

@@ -138,7 +138,12 @@ def choose_layout(model: torch.nn.Module, packing: str, *, shared_prompts: bool 
     share prompts (`shared_prompts`: the RL actor), `prefix` when `prefix_supported` says the model
     runs it exactly; else `padded`. The choice and its reason are logged.
     """
-    if packing in ("packed", "padded", "prefix"):
+    if packing == "prefix":  # asked for: refused up front where it would compute other numbers
+        ok, reason = prefix_supported(model)
+        if not ok:
+            raise ValueError(f"train.packing=prefix: {reason}; set train.packing=auto or padded")
+        return "prefix"
+    if packing in ("packed", "padded"):
         return packing  # type: ignore[return-value]
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
     if attn in VARLEN_ATTENTION:
