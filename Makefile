@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm demo test test-fast lint format docs bench
+.PHONY: setup setup-vllm demo test test-fast lint format docs bench bench-trl
 
 setup:
 	bash scripts/setup.sh
@@ -36,3 +36,8 @@ docs: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
+
+# weir against TRL's GRPOTrainer (benchmarks/vs_trl.py); TRL lives in its own .venv-trl.
+bench-trl: setup
+	bash scripts/setup_trl.sh
+	$(PY) benchmarks/vs_trl.py

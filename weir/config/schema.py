@@ -234,9 +234,11 @@ class TrainConfig(Section):
     logprob_chunk_tokens: int = Field(256, ge=1)
     """Response tokens per chunk of the log-prob / entropy computation: at most this many rows of
     vocabulary-sized float32 temporaries exist at once."""
-    packing: Literal["auto", "packed", "padded"] = "auto"
+    packing: Literal["auto", "packed", "padded", "prefix"] = "auto"
     """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
-    sequence; `auto`: packed where the attention backend has a variable-length kernel, else padded."""
+    sequence; `prefix`: sequences sharing a prompt (a GRPO group) run it once, their responses on its
+    KV cache; `auto`: packed where the attention backend has a variable-length kernel, else prefix
+    for RL when a start-up probe finds it exact on the model, else padded."""
 
 
 class CriticConfig(Section):

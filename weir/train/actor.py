@@ -76,6 +76,12 @@ class Actor:
 
     offload_in_optimizer = True
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
+    shares_prompts = True
+    """`train.packing=auto` may pick the `prefix` layout (one forward per distinct prompt)."""
+    fuses_old_logprobs = True
+    """A step of one update takes recomputed old log-probs from its own forward (`_fused_old`)."""
+    skips_dead_backward = True
+    """Rows that cannot move the weights run their forward without gradients (`_dead_rows`)."""
 
     def __init__(self, model: torch.nn.Module, settings: ActorSettings) -> None:
         self.settings = settings
@@ -86,7 +92,7 @@ class Actor:
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
-        self.layout = choose_layout(model, self.tcfg.packing)
+        self.layout = choose_layout(model, self.tcfg.packing, shared_prompts=self.shares_prompts)
         self.temperature = settings.temperature
         self.optimizer = make_optimizer(
             model.parameters(),
@@ -176,16 +182,25 @@ class Actor:
         """The frozen reference policy for KL: a copy of the initial model."""
         return copy.deepcopy(model).eval().requires_grad_(False)
 
-    def _micro_batches(self, indices: list[int], seqs: list[list[int]]) -> list[list[int]]:
-        """The micro-batches (lists of row indices) this process runs for rows `indices`.
+    def _micro_batches(
+        self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
+    ) -> list[list[int]]:
+        """The micro-batches (lists of row indices) this process runs for rows `indices`
+        (`lens`: every row's response length, which lets the `prefix` layout group shared prompts).
 
         An empty list is a padding micro-batch: other ranks have more, and collectives must stay
         in step (see `_idle_pass`).
         """
-        budget = self.tcfg.micro_batch_tokens
+        mine = [seqs[i] for i in indices]
         return [
             [indices[j] for j in local]
-            for local in micro_batches([len(seqs[i]) for i in indices], budget, self.layout)
+            for local in micro_batches(
+                [len(s) for s in mine],
+                self.tcfg.micro_batch_tokens,
+                self.layout,
+                sequences=mine,
+                response_lengths=None if lens is None else [lens[i] for i in indices],
+            )
         ]
 
     def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
@@ -216,7 +231,7 @@ class Actor:
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        for idx in self._micro_batches(list(range(len(seqs))), seqs):
+        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens):
             if not idx:
                 self._idle_pass(model, backward=False)
                 continue
@@ -231,6 +246,26 @@ class Actor:
             out[idx] = res.logprobs
         return self._combine_rows(out)
 
+    @property
+    def _fused_old(self) -> bool:
+        """Whether recomputed old log-probs come from the update's own forward, detached.
+
+        With one update per step (epochs = mini_batches = 1), no reference model and no rollout
+        correction, nothing reads the old log-probs before the update's forward, and that forward
+        runs the very weights a separate no-grad pass would: pi_old = pi_theta exactly, the ratio is
+        1, and the separate pass is a whole forward of redundant compute (as TRL's
+        ``num_iterations=1`` also skips it).
+        """
+        return (
+            self.fuses_old_logprobs
+            and self.acfg.old_logprobs == "recompute"
+            and self.acfg.policy_loss != "decoupled_ppo"
+            and self.acfg.correction.mode == "none"
+            and self.ref is None
+            and self.tcfg.epochs == 1
+            and self.tcfg.mini_batches == 1
+        )
+
     def train(self, batch: TrainBatch, critic: Critic | None = None) -> dict[str, float]:
         """One RL step of updates on `batch`; returns metrics (loss, clip fraction, KL, grad norm...).
 
@@ -240,13 +275,27 @@ class Actor:
         if critic is None and self.acfg.advantage == "gae":
             raise ValueError("algo.advantage=gae needs a critic: pass critic= to Actor.train")
         with span("train", samples=len(batch)):
+            if self._fused_old and critic is None:
+                try:
+                    return self._train(batch, fused=True)
+                except _NonFiniteOld:
+                    # the two-pass step leaves out (and counts) the samples with non-finite
+                    # log-probs; no update was taken yet, so it starts over from the same state
+                    self.optimizer.zero_grad(set_to_none=True)
             return self._train(batch, critic)
 
-    def _train(self, batch: TrainBatch, critic: Critic | None = None) -> dict[str, float]:
+    def _train(
+        self, batch: TrainBatch, critic: Critic | None = None, *, fused: bool = False
+    ) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
         stats: dict[str, float] = {}
-        old = self.logprobs(self.model, batch) if self.needs_recompute else batch.rollout_logprobs
+        if fused:
+            old = None
+        elif self.needs_recompute:
+            old = self.logprobs(self.model, batch)
+        else:
+            old = batch.rollout_logprobs
         ref = self.logprobs(self.ref, batch) if self.ref is not None else None
         batch, old, ref, dropped = self._drop_nonfinite(batch, old, ref)
         mask = batch.response_mask
@@ -258,7 +307,7 @@ class Actor:
                 "train/skipped_steps": float(self.skipped_steps),
                 "time/train": time.perf_counter() - start,
             }
-        if self.needs_recompute:
+        if self.needs_recompute and not fused:
             stats.update(self._mismatch(old, batch))
         elif self.tcfg.mini_batches > 1:
             # later mini-batches are trained after earlier updates; measure every row before any
@@ -320,7 +369,7 @@ class Actor:
         grad_norms: list[float] = []
         peaks: dict[str, float] = {}
         n_tokens = 0.0
-        self._mismatch_sums = [0.0, 0.0]
+        self._mismatch_sums = [0.0, 0.0, 0.0]  # |engine - trainer|, tokens, k3 (fused only)
         for epoch in range(self.tcfg.epochs):
             order = torch.randperm(
                 len(batch), generator=torch.Generator().manual_seed(self.updates + epoch)
@@ -350,9 +399,10 @@ class Actor:
         totals, _ = self._reduce_metrics(
             {"diff": self._mismatch_sums[0], "tokens": self._mismatch_sums[1]}, {}
         )
-        self._mismatch_sums = [totals.get("diff", 0.0), totals.get("tokens", 0.0)]
-        if self._mismatch_sums[1]:
-            stats["mismatch/abs_logp_diff"] = self._mismatch_sums[0] / self._mismatch_sums[1]
+        if totals.get("tokens", 0.0):
+            stats["mismatch/abs_logp_diff"] = totals["diff"] / totals["tokens"]
+            if fused:
+                stats["mismatch/kl"] = self._mismatch_sums[2] / totals["tokens"]
         finite = [g for g in grad_norms if math.isfinite(g)]
         stats["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         stats["train/skipped_updates"] = float(self.skipped_updates)
@@ -404,11 +454,17 @@ class Actor:
         width = mask.shape[1]
         num_tokens = float(mask[mb].sum().item())
         num_seqs = float(mask[mb].any(1).sum().item())
-        for idx in self._micro_batches(mb, seqs):
+        dead = self._dead_rows(mask, advantages)
+        live = [i for i in mb if dead is None or not dead[i]]
+        runs = [(idx, True) for idx in self._micro_batches(live, seqs, lens)] if live else []
+        if len(live) < len(mb):
+            rest = [i for i in mb if dead[i]]
+            runs += [(idx, False) for idx in self._micro_batches(rest, seqs, lens)]
+        for idx, grad in runs:
             if not idx:
                 self._idle_pass(self.model, backward=True)
                 continue
-            with span("forward", cat="train", sequences=len(idx)):
+            with span("forward", cat="train", sequences=len(idx)), torch.set_grad_enabled(grad):
                 out = self._forward(
                     self.model,
                     [seqs[i] for i in idx],
@@ -419,6 +475,11 @@ class Actor:
                     visions=[vis[i] for i in idx],
                 )
             m = mask[idx]
+            if old is None and not self._finite_forward(out, m):
+                raise _NonFiniteOld
+            old_mb = out.logprobs.detach() if old is None else old[idx]
+            if not grad and not self._finite_forward(out, m):
+                continue  # no gradient from these rows: an overflow in them cannot reach it
             if not self._finite_forward(out, m):
                 # an overflow in this forward: backward a NaN loss, so that the gradient norm is
                 # NaN on every rank (collectives stay in step) and `_update` skips this update
@@ -430,7 +491,7 @@ class Actor:
             loss, pg = algo.compute_policy_loss(
                 self.loss_fn,
                 out.logprobs,
-                old[idx],
+                old_mb,
                 advantages[idx],
                 m,
                 agg=self.acfg.loss_agg,
@@ -448,8 +509,9 @@ class Actor:
                 entropy_coef=self.acfg.entropy_coef,
                 **self.loss_options,
             )
-            with span("backward", cat="train"):
-                loss.backward()
+            if grad:
+                with span("backward", cat="train"):
+                    loss.backward()
             share = float(m.sum().item()) / max(num_tokens, 1.0)
             sums["train/loss"] += loss.item()
             for k, v in pg.items():
@@ -462,11 +524,40 @@ class Actor:
                     peaks[key] = max(peaks.get(key, float("-inf")), v)
                 else:
                     sums[key] += v * share
-            if first and not self.needs_recompute:
-                policy = m * (batch.versions[idx] >= 0)
-                diff = (out.logprobs.detach() - batch.rollout_logprobs[idx]) * policy
+            if first and (old is None or not self.needs_recompute):
+                trained = batch.response_mask[idx] if old is None else m
+                policy = trained * (batch.versions[idx] >= 0)
+                behaviour = batch.rollout_logprobs[idx]
+                diff = (out.logprobs.detach() - behaviour) * policy
                 self._mismatch_sums[0] += diff.abs().sum().item()
                 self._mismatch_sums[1] += policy.sum().item()
+                if old is None:  # the k3 KL that `_mismatch` reports for a separate pass
+                    k3 = algo.kl_penalty(behaviour, out.logprobs.detach(), "k3") * policy
+                    self._mismatch_sums[2] += k3.sum().item()
+        if not live:  # a zero gradient, on which AdamW still steps (its moments decay)
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+
+    def _dead_rows(self, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
+        """(B,) True for rows whose gradient is exactly zero, or None when that cannot be known.
+
+        Every built-in policy loss is the advantage times a function of the log-probs, per token
+        (per sequence for GSPO), so a row whose trained tokens all have A = 0 (a GRPO group with
+        equal rewards, a masked-out sample) adds exactly 0 to the gradient unless an entropy bonus
+        or a KL term in the loss depends on its log-probs. Such rows still run their forward (the
+        metrics cover every row) but build no graph and take no backward. A user's loss (a dotted
+        path) may depend on more, so with one every row trains.
+        """
+        if (
+            not self.skips_dead_backward
+            or self.acfg.entropy_coef != 0
+            or (self.ref is not None and not self.acfg.kl.as_reward)
+            or not isinstance(self.acfg.policy_loss, str)
+            or self.acfg.policy_loss not in algo.POLICY_LOSSES
+        ):
+            return None
+        return ~((advantages != 0) & (mask > 0)).any(1)
 
     def _behavior(self, batch: TrainBatch) -> torch.Tensor:
         """The behaviour policy's log-probs per `algo.behavior_logprobs` (see the schema)."""
@@ -484,15 +575,16 @@ class Actor:
         return bool(ok.item())
 
     def _drop_nonfinite(
-        self, batch: TrainBatch, old: torch.Tensor, ref: torch.Tensor | None
-    ) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None, int]:
+        self, batch: TrainBatch, old: torch.Tensor | None, ref: torch.Tensor | None
+    ) -> tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None, int]:
         """Leave out (mask) every sample with a non-finite log-prob on a trained token, from the
         engine, the trainer or the reference; returns the cleaned batch, old and ref log-probs and
-        how many samples were left out. One bad sample costs that sample, not the run."""
+        how many samples were left out. One bad sample costs that sample, not the run.
+        `old` None: the step takes them from its own forward (`_fused_old`), which checks them."""
         m = batch.response_mask.bool()
-        bad = (~torch.isfinite(old) & m).any(1) | (~torch.isfinite(batch.rollout_logprobs) & m).any(
-            1
-        )
+        bad = (~torch.isfinite(batch.rollout_logprobs) & m).any(1)
+        if old is not None:
+            bad |= (~torch.isfinite(old) & m).any(1)
         if ref is not None:
             bad |= (~torch.isfinite(ref) & m).any(1)
         n = int(bad.sum().item())
@@ -512,7 +604,7 @@ class Actor:
             if batch.behavior_logprobs is None
             else clean(batch.behavior_logprobs),
         )
-        old = batch.rollout_logprobs if old_is_rollout else clean(old)
+        old = batch.rollout_logprobs if old_is_rollout else None if old is None else clean(old)
         return batch, old, None if ref is None else clean(ref), n
 
     def _check_max_len(self, mask: torch.Tensor) -> None:
@@ -562,6 +654,10 @@ class Actor:
     def weights(self):
         """Named parameters to push to the engines."""
         return self.model.named_parameters()
+
+
+class _NonFiniteOld(Exception):
+    """A fused step met a non-finite trainer log-prob: redo the step with a separate old pass."""
 
 
 def prepare_for_training(model: torch.nn.Module, *, checkpointing: bool) -> torch.nn.Module:

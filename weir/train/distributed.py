@@ -109,6 +109,9 @@ class ShardedActor(Actor):
     """
 
     offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
+    # single-process shortcuts: the prefix layout's two forwards per micro-batch are untested
+    # under FSDP2, and a restarted step or a rank without backward would put collectives out of step
+    shares_prompts = fuses_old_logprobs = skips_dead_backward = False
 
     def __init__(
         self,
@@ -148,7 +151,9 @@ class ShardedActor(Actor):
         device = self._comm if self._comm is not None else p.device
         return Precision(device, p.dtype, p.dtype)
 
-    def _micro_batches(self, indices: list[int], seqs: list[list[int]]) -> list[list[int]]:
+    def _micro_batches(
+        self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
+    ) -> list[list[int]]:
         mine = [indices[p] for p in balance([len(seqs[i]) for i in indices], self.world)[self.rank]]
         local = [
             [mine[j] for j in mb]

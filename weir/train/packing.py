@@ -9,7 +9,16 @@ Two exact layouts of the same sequences:
 - `padded`: one left-padded row per sequence, micro-batches of similar lengths (sorted by length,
   the budget counting padded tokens), so SDPA runs per sequence with almost no padding.
 
-`auto` takes `packed` where the attention backend has a variable-length kernel, else `padded`.
+- `prefix`: the sequences that share a prompt (the `n` samples of a GRPO group) run it once. A
+  prompt pass over the distinct prompts (left-padded) builds their KV cache, the cache rows are
+  gathered to one per sequence, and a response pass runs the responses (right-padded) on top of it.
+  The gather's backward adds up every response's gradient into its prompt, so gradients are those
+  of the per-sequence forward. For n responses of R tokens to a P-token prompt, the layers process
+  P + n * R tokens instead of n * (P + R); the last response token, whose logits predict nothing
+  that is trained, is not run at all.
+
+`auto` takes `packed` where the attention backend has a variable-length kernel; otherwise `prefix`
+where the caller's sequences share prompts and a probe on the model shows it exact, else `padded`.
 
 A vision-language model gets each sequence's pixel inputs (`visions`) and its multimodal rotary
 positions from `weir.data.vision_model`, the same inputs the engine's prefill builds.
@@ -34,7 +43,7 @@ from weir.data.vision_model import vision_model
 
 log = logging.getLogger(__name__)
 
-Layout = Literal["packed", "padded"]
+Layout = Literal["packed", "padded", "prefix"]
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
@@ -74,25 +83,85 @@ def bucket_by_length(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def micro_batches(lengths: list[int], budget: int, layout: Layout) -> list[list[int]]:
-    """The micro-batches of `layout` for sequences of `lengths` under a token `budget`."""
-    return (
-        pack_by_tokens(lengths, budget) if layout == "packed" else bucket_by_length(lengths, budget)
-    )
+def prefix_micro_batches(
+    sequences: list[list[int]], response_lengths: list[int], budget: int
+) -> list[list[int]]:
+    """Micro-batches of the `prefix` layout: whole prompt groups, at most `budget` computed tokens.
+
+    A micro-batch of G distinct prompts (longest P) and b responses (longest R) computes
+    ``G * P + b * (R - 1)`` padded tokens. Groups are taken longest first so that similar lengths
+    share a micro-batch; a group over the budget by itself is split into row chunks that each
+    still share their prompt.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
+        groups.setdefault(tuple(seq[: len(seq) - n]), []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    for prompt, rows in groups.items():
+        rows = sorted(rows, key=lambda i: (-response_lengths[i], i))
+        chunk = max(1, (budget - len(prompt)) // max(1, response_lengths[rows[0]] - 1))
+        units += [(len(prompt), rows[k : k + chunk]) for k in range(0, len(rows), chunk)]
+    units.sort(key=lambda u: (-(u[0] + response_lengths[u[1][0]]), u[1][0]))
+    bins: list[list[int]] = []
+    state = (0, 0, 0, 0)  # distinct prompts, longest prompt, longest response, rows
+    for p, rows in units:
+        r = response_lengths[rows[0]]
+        g, lp, lr, nr = state[0] + 1, max(state[1], p), max(state[2], r), state[3] + len(rows)
+        if bins and g * lp + nr * max(lr - 1, 0) <= budget:
+            bins[-1].extend(rows)
+            state = (g, lp, lr, nr)
+        else:
+            bins.append(list(rows))
+            state = (1, p, r, len(rows))
+    return [sorted(b) for b in bins]
 
 
-def choose_layout(model: torch.nn.Module, packing: str) -> Layout:
-    """Resolve `train.packing` for `model`: `auto` packs only with a variable-length attention kernel."""
+def micro_batches(
+    lengths: list[int],
+    budget: int,
+    layout: Layout,
+    *,
+    sequences: list[list[int]] | None = None,
+    response_lengths: list[int] | None = None,
+) -> list[list[int]]:
+    """The micro-batches of `layout` for sequences of `lengths` under a token `budget`.
+
+    `prefix` groups the sequences by prompt when it is given `sequences` and `response_lengths`;
+    without them it buckets by length as `padded` does (the prefix forward is exact on any subset).
+    """
+    if layout == "packed":
+        return pack_by_tokens(lengths, budget)
+    if layout == "prefix" and sequences is not None and response_lengths is not None:
+        return prefix_micro_batches(sequences, response_lengths, budget)
+    return bucket_by_length(lengths, budget)
+
+
+def choose_layout(model: torch.nn.Module, packing: str, *, shared_prompts: bool = False) -> Layout:
+    """Resolve `train.packing` for `model`.
+
+    `auto`: `packed` with a variable-length attention kernel; else, for a caller whose sequences
+    share prompts (`shared_prompts`: the RL actor), `prefix` when `prefix_supported` says the model
+    runs it exactly; else `padded`. The choice and its reason are logged.
+    """
+    if packing == "prefix":  # asked for: refused up front where it would compute other numbers
+        ok, reason = prefix_supported(model)
+        if not ok:
+            raise ValueError(f"train.packing=prefix: {reason}; set train.packing=auto or padded")
+        return "prefix"
     if packing in ("packed", "padded"):
         return packing  # type: ignore[return-value]
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
-    layout: Layout = "packed" if attn in VARLEN_ATTENTION else "padded"
-    log.info(
-        "train.packing=auto: %s micro-batches (attention %s %s a variable-length kernel)",
-        layout,
-        attn,
-        "has" if layout == "packed" else "has no",
-    )
+    if attn in VARLEN_ATTENTION:
+        layout: Layout = "packed"
+        why = f"attention {attn} has a variable-length kernel"
+    elif shared_prompts:
+        ok, reason = prefix_supported(model)
+        layout = "prefix" if ok else "padded"
+        why = f"attention {attn} has no variable-length kernel; shared prompts: {reason}"
+    else:
+        layout = "padded"
+        why = f"attention {attn} has no variable-length kernel"
+    log.info("train.packing=auto: %s micro-batches (%s)", layout, why)
     return layout
 
 
@@ -122,7 +191,11 @@ def response_logprobs(
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
     """
-    fn = packed_response_logprobs if layout == "packed" else padded_response_logprobs
+    fn = {
+        "packed": packed_response_logprobs,
+        "padded": padded_response_logprobs,
+        "prefix": prefix_response_logprobs,
+    }[layout]
     return fn(
         model,
         sequences,
@@ -267,3 +340,153 @@ def padded_response_logprobs(
         return rows
 
     return PackedOutput(left_align(logp), left_align(ent) if ent is not None else None)
+
+
+def prefix_response_logprobs(
+    model: torch.nn.Module,
+    sequences: list[list[int]],
+    response_lengths: list[int],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    pad_to: int | None = None,
+    chunk_size: int = 256,
+) -> PackedOutput:
+    """The `prefix` layout: each distinct prompt runs once (see the module docstring).
+
+    The prompt pass keeps the logits of each prompt's last position (they predict every response's
+    first token); the response pass runs response tokens 0 ... n_i - 2 at positions
+    ``len(prompt_i) + j`` on the gathered prompt cache and predicts tokens 1 ... n_i - 1.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    b = len(sequences)
+    prompt_of: dict[tuple[int, ...], int] = {}
+    rows_prompt: list[int] = []
+    for seq, n in zip(sequences, response_lengths, strict=True):
+        if n < 1 or n >= len(seq):
+            raise ValueError(
+                f"prefix layout: a response of {n} tokens in a sequence of {len(seq)} (need a "
+                "prompt of at least one token and a response of at least one)"
+            )
+        rows_prompt.append(prompt_of.setdefault(tuple(seq[: len(seq) - n]), len(prompt_of)))
+    prompts = list(prompt_of)
+    g, p = len(prompts), max(len(q) for q in prompts)
+    p_ids = torch.zeros(g, p, dtype=torch.long)
+    p_mask = torch.zeros(g, p, dtype=torch.long)
+    for k, q in enumerate(prompts):
+        p_ids[k, p - len(q) :] = torch.tensor(q, dtype=torch.long)
+        p_mask[k, p - len(q) :] = 1
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    first = model(
+        input_ids=p_ids.to(device),
+        attention_mask=p_mask.to(device),
+        position_ids=p_pos.to(device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # (g, V): predicts every response's first token
+    row_prompt = torch.tensor(rows_prompt, device=device)
+    lengths = torch.tensor(response_lengths, device=device)
+    first_targets = torch.tensor(
+        [seq[len(seq) - n] for seq, n in zip(sequences, response_lengths, strict=True)]
+    )
+    logp0, ent0 = _token_stats(
+        first.index_select(0, row_prompt),
+        first_targets.to(device),
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_size=chunk_size,
+    )
+    logp, ent = logp0[:, None], None if ent0 is None else ent0[:, None]
+    r = max(response_lengths) - 1  # response tokens that are run (all but each one's last)
+    if r > 0:
+        ids = torch.zeros(b, r + 1, dtype=torch.long)
+        for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
+            ids[i, :n] = torch.tensor(seq[len(seq) - n :], dtype=torch.long)
+        ids = ids.to(device)
+        col = torch.arange(r, device=device)
+        run_mask = (col[None] < (lengths - 1)[:, None]).long()
+        attn = torch.cat([p_mask.to(device).index_select(0, row_prompt), run_mask], dim=1)
+        prompt_len = p_mask.sum(1).to(device).index_select(0, row_prompt)
+        cache.batch_select_indices(row_prompt)
+        logits = model(
+            input_ids=ids[:, :r],
+            attention_mask=attn,
+            position_ids=prompt_len[:, None] + col[None],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits  # (b, r, V): column j predicts response token j + 1
+        rest, rest_ent = _token_stats(
+            logits.reshape(b * r, -1),
+            ids[:, 1:].reshape(-1),
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_size=chunk_size,
+        )
+        logp = torch.cat([logp, rest.view(b, r)], dim=1)
+        if ent is not None and rest_ent is not None:
+            ent = torch.cat([ent, rest_ent.view(b, r)], dim=1)
+    valid = torch.arange(logp.shape[1], device=device)[None] < lengths[:, None]
+
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        x = torch.where(valid, x, 0.0)
+        if pad_to is not None and x.shape[1] < pad_to:
+            x = torch.nn.functional.pad(x, (0, pad_to - x.shape[1]))
+        return x
+
+    return PackedOutput(finish(logp), finish(ent) if ent is not None else None)
+
+
+def prefix_supported(model: torch.nn.Module) -> tuple[bool, str]:
+    """Whether the `prefix` layout computes on `model` what `padded` computes, and why (not).
+
+    Refused without probing: gradient checkpointing (HF drops the cache in a checkpointed forward)
+    and sliding-window attention (the cache would be windowed). Otherwise a probe of two prompts with
+    two responses each (one token, and several) is run both ways without gradients; the mean
+    log-prob difference must be within rounding (1e-4 nats in float32, 2e-2 in half precision).
+    """
+    cfg = getattr(model, "config", None)
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    if getattr(model, name, False):
+        return False, "prefix off: gradient checkpointing drops the prompt cache"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    windowed = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
+    if (
+        windowed
+        or getattr(cfg, "sliding_window", None)
+        or getattr(cfg, "attention_chunk_size", None)
+    ):
+        return False, "prefix off: windowed attention"
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    tok = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    a, b = tok(5), tok(3)
+    seqs = [a + tok(4), b + tok(1), a + tok(1), b + tok(6)]
+    lens = [4, 1, 1, 6]
+    dtype = next(model.parameters()).dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            mine = prefix_response_logprobs(model, seqs, lens).logprobs
+            ref = padded_response_logprobs(model, seqs, lens).logprobs
+    except Exception as err:  # an architecture whose forward takes no shared cache
+        return False, f"prefix off: the probe failed ({type(err).__name__}: {err})"
+    finally:
+        model.train(was_training)
+    mask = torch.arange(ref.shape[1])[None] < torch.tensor(lens)[:, None]
+    err = float((mine - ref).abs()[mask.to(ref.device)].mean())
+    if not err <= tol:
+        return False, f"prefix off: the probe differs from padded by {err:.3g} nats/token"
+    return True, f"prefix on (probe within {err:.1g} nats/token of padded)"

@@ -1,0 +1,517 @@
+"""weir against TRL's GRPOTrainer, side by side on this machine: seconds per step and reward per step.
+
+Both sides train the same SFT'd tiny model on the same prompts with the same reward and GRPO
+settings: n=8, lr 5e-5 constant, AdamW (0.9, 0.999) without weight decay, grad clip 1.0, clip
+0.2/0.28, token-mean loss (TRL's `dapo`), group-std reward scaling with eps 1e-4, no KL, no
+reference model, one optimizer update per generation batch, old log-probs = the trainer's own
+(TRL num_iterations=1; weir algo.old_logprobs=recompute), temperature 1, no top-k/top-p, CPU float32,
+one torch thread per process. TRL generates with transformers' `generate` (no vLLM, as on a CPU).
+
+Workloads:
+  A  the demo's arithmetic: 32 prompts x 8 (two-digit additions), answers of ~4 tokens.
+  B  8 prompts x 8, 128 generated tokens each: the same model with its end-of-turn token no longer
+     the EOS token (both sides' tokenizer and generation config name `<|system|>` instead, which the
+     model never writes), so every response runs to max_new_tokens=128.
+The reward (both sides, both workloads): 1 when the decoded response up to the first `<|end|>` is
+the answer, else 0.
+
+Each run is its own process (weir in .venv, TRL in .venv-trl: `scripts/setup_trl.sh`). The sides
+alternate within a round, and the order rotates between rounds, so machine load hits all alike.
+The first step of every run is a warm-up and not counted, nor is weir's last step (it also runs
+the final evaluation). weir async runs with loop.max_staleness=1. Printed: median s/step per run,
+the TRL/weir ratio per round (its range over rounds), reward per step (mean and standard error over
+every step), and fairness checks counted inside each process (generated tokens per step, prompt
+tokens per sample, optimizer updates per step, the last by a hook on every torch optimizer).
+Not included: a multi-turn workload (TRL 1.16's GRPOTrainer has tool calling; not set up yet).
+
+    scripts/setup_trl.sh                                   # once: .venv-trl
+    python benchmarks/vs_trl.py                            # A and B, weir sync + async vs TRL, 2 rounds
+    python benchmarks/vs_trl.py --workloads A --rounds 3 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve()
+
+WORKLOADS = {
+    # prompts per step, max new tokens, whether EOS ends a response, default steps per run
+    "A": {"prompts": 32, "max_new_tokens": 8, "eos": True, "steps": 12},
+    "B": {"prompts": 8, "max_new_tokens": 128, "eos": False, "steps": 5},
+}
+N = 8
+LR = 5e-5
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
+TARGETS = {"sync": 2.0, "async": 3.0}
+END_OF_TURN = "<|end|>"
+
+
+def answer_reward(tokenizer, response_ids: list[int], answer: str) -> float:
+    """1.0 when the response's text up to the first end-of-turn token is the answer, else 0.0.
+
+    Both sides decode the generated ids with the same tokenizer (special tokens kept), so the
+    reward is the same function of the same tokens; in B the text after `<|end|>` is ignored.
+    """
+    text = tokenizer.decode(response_ids, skip_special_tokens=False)
+    return float(text.split(END_OF_TURN, 1)[0].strip() == str(answer))
+
+
+# --------------------------------------------------------------------------------- preparation
+
+
+def prepare(workdir: Path, sft_rows: int, sft_epochs: int) -> dict[str, Path]:
+    """The SFT'd model (made once, reused), its no-EOS copy for B, and the prompt files."""
+    import weir
+    from weir.tasks.arithmetic import make_rows
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = workdir / "sft" / "model"
+    if not (model / "config.json").exists():
+        print(f"[prepare] SFT of the tiny model on {sft_rows} rows x {sft_epochs} epochs ...")
+        weir.sft(
+            {
+                "run": {"name": "vs_trl_sft", "dir": str(workdir / "sft"), "seed": 0},
+                "model": {"path": "tiny:tiny", "threads": 1},
+                "data": {"task": "arithmetic", "task_options": {"digits": 2}},
+                "sft": {
+                    "rows": sft_rows,
+                    "task_options": {"corrupt": 0.7},
+                    "batch_size": 64,
+                    "lr": 3e-3,
+                    "epochs": sft_epochs,
+                },
+                "telemetry": {"console": False},
+            }
+        )
+    noeos = workdir / "model_noeos"
+    if not (noeos / "config.json").exists():
+        make_noeos_copy(model, noeos)
+    prompts = workdir / "prompts.jsonl"
+    held_out = workdir / "eval.jsonl"
+    for path, split, n in ((prompts, "train", 4000), (held_out, "test", 16)):
+        rows = make_rows(split, n, seed=0, digits=2)
+        path.write_text(
+            "".join(json.dumps({k: r[k] for k in ("prompt", "answer")}) + "\n" for r in rows)
+        )
+    return {"model": model, "model_noeos": noeos, "prompts": prompts, "eval": held_out}
+
+
+def make_noeos_copy(src: Path, dst: Path) -> None:
+    """The same weights with `<|system|>` as EOS everywhere, so generation runs to max_new_tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    stop = "<|system|>"
+    stop_id = tok.convert_tokens_to_ids(stop)
+    tok.eos_token = stop
+    model.config.eos_token_id = stop_id
+    model.generation_config.eos_token_id = stop_id
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    tok.save_pretrained(dst)
+
+
+# --------------------------------------------------------------------------------- weir side
+
+
+def weir_worker(spec: dict) -> dict:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import weir
+
+    updates = [0]
+    register_optimizer_step_post_hook(lambda *a: updates.__setitem__(0, updates[0] + 1))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    tokens: dict[str, list[int]] = {"gen": [], "prompt": []}
+
+    def reward(sample, row) -> float:
+        tokens["gen"].append(len(sample.response_ids))
+        tokens["prompt"].append(len(sample.prompt_ids))
+        return answer_reward(tok, sample.response_ids, row["answer"])
+
+    w = WORKLOADS[spec["workload"]]
+    cfg = {
+        "run": {
+            "name": "vs_trl",
+            "dir": spec["run_dir"],
+            "seed": spec["seed"],
+            "steps": spec["steps"],
+            "eval_every": 0,
+            "save_model": False,
+            "checkpoint_every": 0,
+            "resume": "never",
+        },
+        "model": {"path": spec["model"], "threads": 1},
+        "data": {
+            "task": None,
+            "source": spec["prompts"],
+            "eval_source": spec["eval"],
+            "eval_size": 16,
+        },
+        "rollout": {
+            "n": N,
+            "batch_prompts": w["prompts"],
+            "temperature": 1.0,
+            "max_new_tokens": w["max_new_tokens"],
+        },
+        "algo": {
+            "advantage": "grpo",
+            "advantage_options": {"eps": ADV_EPS},
+            "policy_loss": "ppo",
+            "loss_options": {"eps_low": EPS_LOW, "eps_high": EPS_HIGH},
+            "loss_agg": "token-mean",
+            "old_logprobs": "recompute",
+        },
+        "train": {"lr": LR, "grad_clip": 1.0, "mini_batches": 1, "epochs": 1},
+        "loop": {"mode": spec["mode"], "max_staleness": 1},
+        "telemetry": {"console": False, "trace": False},
+    }
+    result = weir.run(cfg, reward=reward)
+    steps = [m for m in result.history if "reward/mean" in m]
+    # the last step also evaluates (run.steps is always an eval step): its time is not a step's
+    timed = [m for m in steps if not any(k.startswith("eval/") for k in m)]
+    return {
+        "step_s": [m["time/step"] for m in timed],
+        "reward": [m["reward/mean"] for m in steps],
+        "gen_tokens": [m.get("rollout/gen_tokens", float("nan")) for m in steps],
+        "samples_scored": len(tokens["gen"]),
+        "gen_tokens_scored": sum(tokens["gen"]),
+        "prompt_tokens_mean": statistics.mean(tokens["prompt"]) if tokens["prompt"] else 0.0,
+        "optimizer_updates": updates[0],
+        "split": {
+            k: statistics.median(m.get(k, 0.0) for m in timed[1:] or timed)
+            for k in ("time/generate", "time/train", "time/sync", "time/wait_for_batch")
+        },
+    }
+
+
+# --------------------------------------------------------------------------------- TRL side
+
+
+def trl_worker(spec: dict) -> dict:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+    logging.disable(logging.WARNING)
+    w = WORKLOADS[spec["workload"]]
+    updates = [0]
+    register_optimizer_step_post_hook(lambda *a: updates.__setitem__(0, updates[0] + 1))
+    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
+    ds = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in rows
+        ]
+    )
+    tokens: dict[str, list[int]] = {"gen": [], "prompt": []}
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    tok.padding_side = "left"
+
+    def reward(prompts, answer, completion_ids, **kwargs) -> list[float]:
+        out = []
+        for p, a, ids in zip(prompts, answer, completion_ids, strict=True):
+            tokens["gen"].append(len(ids))
+            text_p = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            tokens["prompt"].append(len(tok(text_p, add_special_tokens=False)["input_ids"]))
+            out.append(answer_reward(tok, ids, a))
+        return out
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.t = time.perf_counter()
+            self.step_s: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.step_s.append(now - self.t)
+            self.t = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.logs.append(dict(logs))
+
+    batch = w["prompts"] * N
+    args = GRPOConfig(
+        output_dir=spec["run_dir"],
+        use_cpu=True,
+        bf16=False,
+        seed=spec["seed"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=N,
+        generation_batch_size=batch,
+        max_completion_length=w["max_new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        loss_type="dapo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    clock = Clock()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[clock],
+    )
+    clock.t = time.perf_counter()
+    trainer.train()
+    return {
+        "step_s": clock.step_s,
+        "reward": [lg["reward"] for lg in clock.logs],
+        "gen_tokens": [
+            lg.get("completions/mean_length", float("nan")) * batch for lg in clock.logs
+        ],
+        "samples_scored": len(tokens["gen"]),
+        "gen_tokens_scored": sum(tokens["gen"]),
+        "prompt_tokens_mean": statistics.mean(tokens["prompt"])
+        if tokens["prompt"]
+        else float("nan"),
+        "optimizer_updates": updates[0],
+    }
+
+
+# --------------------------------------------------------------------------------- driver
+
+
+def run_side(side: str, spec: dict, python: str, timeout: float) -> dict:
+    """One run in a fresh process with one thread; its result dict (or an error)."""
+    spec_path = Path(spec["run_dir"]) / "spec.json"
+    out_path = Path(spec["run_dir"]) / "result.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "WEIR_NO_VLLM": "1",
+    }
+    cmd = [python, str(HERE), "--worker", side, "--spec", str(spec_path), "--out", str(out_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        return {"error": f"{side} exited {proc.returncode}:\n{tail}"}
+    return json.loads(out_path.read_text())
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def span_of(xs: list[float]) -> str:
+    xs = [x for x in xs if x == x]
+    if not xs:
+        return "n/a"
+    return f"{min(xs):.2f}" if len(xs) == 1 else f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workloads", nargs="+", default=["A", "B"], choices=sorted(WORKLOADS))
+    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    ap.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        default=None,
+        help="steps per run, one number per workload (default: A 12, B 5; the first is a warm-up)",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (order rotates)")
+    ap.add_argument("--workdir", default=str(ROOT / "runs" / "vs_trl"))
+    ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
+    ap.add_argument("--sft-rows", type=int, default=8000)
+    ap.add_argument("--sft-epochs", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument("--worker", choices=["weir", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        result = (weir_worker if args.worker == "weir" else trl_worker)(spec)
+        Path(args.out).write_text(json.dumps(result))
+        return
+
+    if not Path(args.trl_python).exists():
+        sys.exit(f"vs_trl: no TRL environment at {args.trl_python}; run scripts/setup_trl.sh first")
+    workdir = Path(args.workdir)
+    paths = prepare(workdir, args.sft_rows, args.sft_epochs)
+    sides = ["trl", *(f"weir-{m}" for m in args.modes)]
+    counts = args.steps or [WORKLOADS[w]["steps"] for w in args.workloads]
+    if len(counts) != len(args.workloads):
+        sys.exit("vs_trl: give --steps one number per workload")
+    steps = dict(zip(args.workloads, counts, strict=True))
+    load0 = os.getloadavg()
+    print(
+        f"vs_trl: {os.cpu_count()} CPUs, load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f}; "
+        f"{args.rounds} rounds x {len(sides)} sides x {len(args.workloads)} workloads, "
+        f"steps a run {steps} (the first not counted)",
+        flush=True,
+    )
+    results: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for wl in args.workloads:
+            order = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
+            for side in order:
+                mode = side.split("-", 1)[1] if side.startswith("weir") else "trl"
+                run_dir = workdir / "runs" / f"{wl}-{side}-r{rnd}"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                spec = {
+                    "workload": wl,
+                    "mode": mode,
+                    "seed": rnd,
+                    "steps": steps[wl],
+                    "run_dir": str(run_dir),
+                    "model": str(paths["model"] if WORKLOADS[wl]["eos"] else paths["model_noeos"]),
+                    "prompts": str(paths["prompts"]),
+                    "eval": str(paths["eval"]),
+                }
+                python = args.trl_python if side == "trl" else sys.executable
+                t0 = time.perf_counter()
+                res = run_side("trl" if side == "trl" else "weir", spec, python, args.timeout)
+                res["wall_s"] = time.perf_counter() - t0
+                res["load"] = os.getloadavg()[0]
+                results.setdefault((wl, side), []).append(res)
+                if "error" in res:
+                    print(f"  round {rnd} {wl} {side}: FAILED\n{res['error']}", flush=True)
+                else:
+                    print(
+                        f"  round {rnd} {wl} {side:10s} median {med(res['step_s'][1:]):6.2f} s/step, "
+                        f"reward {statistics.mean(res['reward']):.3f}, load {res['load']:.1f}",
+                        flush=True,
+                    )
+    report(results, args, sides, load0)
+
+
+def pooled(runs: list[dict]) -> tuple[float, float]:
+    """Mean reward per step over every step of `runs`, and its standard error."""
+    xs = [x for r in runs for x in r["reward"]]
+    if len(xs) < 2:
+        return (xs[0] if xs else float("nan"), float("nan"))
+    return statistics.mean(xs), statistics.stdev(xs) / len(xs) ** 0.5
+
+
+def compare(mine: tuple[float, float], theirs: tuple[float, float]) -> str:
+    gap, se = mine[0] - theirs[0], (mine[1] ** 2 + theirs[1] ** 2) ** 0.5
+    if abs(gap) <= 2 * se:
+        return "equal within 2 s.e."
+    return "higher" if gap > 0 else "LOWER"
+
+
+def report(results, args, sides, load0) -> None:
+    load1 = os.getloadavg()
+    print()
+    print(
+        f"## weir vs TRL {sys.version.split()[0]}, {os.cpu_count()} CPUs, one torch thread a process; "
+        f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds"
+    )
+    print()
+    print(
+        "| workload | side | s/step (median per run; range over runs) | TRL / side (range over rounds) | target | reward/step | gen tokens/step | prompt tokens/sample | optimizer updates/step |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    verdicts = []
+    for wl in args.workloads:
+        trl = results.get((wl, "trl"), [])
+        for side in sides:
+            runs = [r for r in results.get((wl, side), []) if "error" not in r]
+            if not runs:
+                print(f"| {wl} | {side} | failed | | | | | | |")
+                continue
+            sps = [med(r["step_s"][1:]) for r in runs]
+            ratios = []
+            for i, r in enumerate(results.get((wl, side), [])):
+                if side != "trl" and i < len(trl) and "error" not in trl[i] and "error" not in r:
+                    ratios.append(med(trl[i]["step_s"][1:]) / med(r["step_s"][1:]))
+            rewards = [statistics.mean(r["reward"]) for r in runs]
+            gen = [statistics.mean(r["gen_tokens"]) for r in runs]
+            prompt = [r["prompt_tokens_mean"] for r in runs]
+            upd = [r["optimizer_updates"] / max(1, len(r["reward"])) for r in runs]
+            target = TARGETS.get(side.split("-")[-1]) if side != "trl" else None
+            ratio_txt = span_of(ratios) if ratios else "-"
+            tgt_txt = "-"
+            if target is not None and ratios:
+                ok = min(ratios) >= target
+                tgt_txt = f">= {target:.0f}x: {'MET' if ok else 'NOT MET'}"
+                mine, theirs = pooled(runs), pooled([t for t in trl if "error" not in t])
+                verdicts.append(
+                    f"{wl} {side}: {ratio_txt}x TRL's speed (target {target:.0f}x, "
+                    f"{'met' if ok else 'not met'}); reward/step {mine[0]:.3f} +- {mine[1]:.3f} vs "
+                    f"TRL {theirs[0]:.3f} +- {theirs[1]:.3f} (mean +- s.e. over all steps): "
+                    f"{compare(mine, theirs)}"
+                )
+            print(
+                f"| {wl} | {side} | {span_of(sps)} | {ratio_txt} | {tgt_txt} | {span_of(rewards)} | "
+                f"{span_of(gen)} | {span_of(prompt)} | {span_of(upd)} |"
+            )
+        for side in sides:
+            for r in results.get((wl, side), []):
+                if "split" in r:
+                    s = r["split"]
+                    print(
+                        f"  {wl} {side} split (median s): generate {s['time/generate']:.2f}, train "
+                        f"{s['time/train']:.2f}, sync {s['time/sync']:.2f}, wait {s['time/wait_for_batch']:.2f}"
+                    )
+                    break
+    print()
+    for v in verdicts:
+        print("target:", v)
+
+
+if __name__ == "__main__":
+    main()
