@@ -191,11 +191,21 @@ def response_logprobs(
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
     """
-    fn = {
-        "packed": packed_response_logprobs,
-        "padded": padded_response_logprobs,
-        "prefix": prefix_response_logprobs,
-    }[layout]
+    if layout == "prefix":
+        if visions is not None and any(v is not None for v in visions):
+            layout = "padded"  # prompts with pixels are not shared (their KV holds the image)
+        else:
+            return prefix_response_logprobs(
+                model,
+                sequences,
+                response_lengths,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                pad_to=pad_to,
+                chunk_size=chunk_size,
+            )
+    fn = {"packed": packed_response_logprobs, "padded": padded_response_logprobs}[layout]
     return fn(
         model,
         sequences,
@@ -451,6 +461,8 @@ def prefix_supported(model: torch.nn.Module) -> tuple[bool, str]:
     two responses each (one token, and several) is run both ways without gradients; the mean
     log-prob difference must be within rounding (1e-4 nats in float32, 2e-2 in half precision).
     """
+    if vision_model(model) is not None:
+        return False, "a vision-language model's prompts carry pixels (their KV is not shared)"
     cfg = getattr(model, "config", None)
     name = (
         "is_activation_checkpointing"
