@@ -205,3 +205,17 @@ def test_store_under_a_budget_evicts_older_entries_or_skips():
     assert len(cache) == 2 and cache.take([1, 2, 0], version=0) is None
     assert not cache.store(list(range(6)), *_kv(6), version=0, budget=5 * per_token)
     assert meter.live <= 5 * per_token
+
+
+def test_samples_that_end_alike_share_one_entry_and_each_continues():
+    meter = KVMeter()
+    cache = PrefixCache(meter, max_entries=4)
+    for _ in range(3):  # three samples made the same turn
+        assert cache.store([1, 2, 3], *_kv(3), version=0, budget=None)
+    assert len(cache) == 1 and meter.live == 2 * 2 * 3 * 4 * 4  # one copy
+    assert [cache.take([1, 2, 3, 9], version=0) is not None for _ in range(4)] == [
+        True,
+        True,
+        True,
+        False,
+    ]

@@ -20,7 +20,8 @@ replica, an evicted entry) costs a full prefill, never a wrong answer.
 - A new request (with or without ``keep_kv``) takes the longest entry that is a proper prefix of its prompt (at least one token
   must be left to compute the next-token logits) and was computed under the current weight version.
   The entry is *consumed*: the continuing request stores a longer one when it finishes, so a live
-  episode holds one entry.
+  episode holds one entry. Samples that finish with the same ids share one entry, counted once per
+  sample (GRPO's n samples of a prompt often make the same tool call).
 - Entries are evicted least recently stored first: beyond ``max_entries``, when the engine's KV
   budget (`weir.engine.kv_budget`) needs the room for admission, and all at once on a weight update,
   a sleep, an abort or an idle release. Their bytes are tracked by the engine's `KVMeter`, so the
@@ -48,6 +49,9 @@ class PrefixEntry:
     values: list[torch.Tensor]
     version: int
     nbytes: int
+    refs: int = 1
+    """Finished samples that left these same ids (n samples of a prompt often agree on a turn); each
+    `take` serves one of them."""
 
     @property
     def length(self) -> int:
@@ -91,7 +95,13 @@ class PrefixCache:
             if self.meter.live + nbytes > budget:
                 return False
         key = tuple(ids)
-        if key in self._entries:
+        old = self._entries.get(key)
+        if old is not None and old.version == version:  # the same KV: count it, copy nothing
+            old.refs += 1
+            self._entries.move_to_end(key)
+            self.stats["stored"] += 1
+            return True
+        if old is not None:
             self._remove(key)
         while len(self._entries) >= self.max_entries:
             self._evict_oldest()
@@ -108,14 +118,16 @@ class PrefixCache:
         return True
 
     def take(self, prompt: list[int], version: int) -> PrefixEntry | None:
-        """Remove and return the longest entry of weight `version` whose ids are a proper prefix of
+        """Take (one use of) the longest entry of weight `version` whose ids are a proper prefix of
         `prompt`; None (a miss) when there is none."""
         for length in sorted(self._lengths, reverse=True):
             if length >= len(prompt):
                 continue
             entry = self._entries.get(tuple(prompt[:length]))
             if entry is not None and entry.version == version:
-                self._remove(entry.ids)
+                entry.refs -= 1
+                if not entry.refs:
+                    self._remove(entry.ids)
                 self.stats["hits"] += 1
                 return entry
         self.stats["misses"] += 1
