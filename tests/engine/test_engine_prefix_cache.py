@@ -176,8 +176,9 @@ def test_take_returns_the_longest_stored_proper_prefix(stored, prompt):
     for ids in stored:
         cache.store(ids, *_kv(len(ids)), version=0, budget=None)
     candidates = [ids for ids in stored if len(ids) < len(prompt) and prompt[: len(ids)] == ids]
-    distinct = sorted({tuple(c) for c in candidates}, key=len, reverse=True)
-    for expected in [*distinct, None]:  # each take consumes the longest one left
+    # each store of the same ids is one use; each take consumes one use of the longest left
+    uses = sorted((tuple(c) for c in candidates), key=len, reverse=True)
+    for expected in [*uses, None]:
         entry = cache.take(prompt, version=0)
         assert (entry.ids if entry is not None else None) == expected
 

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from weir.engine.kv_budget import KVMeter
 
-__all__ = ["PrefixCache", "PrefixEntry"]
+__all__ = ["PrefixCache", "PrefixEntry", "fill_past"]
 
 
 @dataclass
@@ -158,3 +159,25 @@ class PrefixCache:
             self._lengths[len(key)] = n
         else:
             del self._lengths[len(key)]
+
+
+def fill_past(cache: Any, past: list[PrefixEntry], lens: list[int], width: int, q: int) -> None:
+    """Prepare an empty prefill `cache` (a `weir.engine.slabs.SlabCache`) for sequences of lengths
+    `lens` right-aligned in `width` columns, of which only the last `q` will be computed: write the
+    first ``len - q`` tokens' KV of each row from its entry into the columns ``[width - len,
+    width - q)`` and mark the first ``width - q`` columns used. Every entry must hold at least
+    ``len - q`` tokens (true for ``q = max(len - entry.length)``)."""
+    p = width - q
+    rows = len(past)
+    for li, layer in enumerate(cache.layers):
+        k0, v0 = past[0].keys[li], past[0].values[li]
+        layer.lazy_initialization(
+            k0.new_empty(rows, k0.shape[0], 1, k0.shape[-1]),
+            v0.new_empty(rows, v0.shape[0], 1, v0.shape[-1]),
+        )
+        for row, (n, entry) in enumerate(zip(lens, past, strict=True)):
+            m = n - q
+            if m > 0:
+                layer.keys[row, :, width - n : p].copy_(entry.keys[li][:, :m])
+                layer.values[row, :, width - n : p].copy_(entry.values[li][:, :m])
+    cache.geo.length = p

@@ -94,7 +94,7 @@ from weir.engine.kv_budget import (
 )
 from weir.engine.masks import layer_masks
 from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
-from weir.engine.prefix_cache import PrefixCache, PrefixEntry
+from weir.engine.prefix_cache import PrefixCache, PrefixEntry, fill_past
 from weir.engine.requests import Request, expand_versions, set_exception
 from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, RunningBatch, SlabCache
 from weir.engine.streams import sample_key, stream_uniform
@@ -814,7 +814,7 @@ class TorchEngine:
 
         With `past` (one cached prefix per sequence) only the last ``q = max(len(seq) - len(prefix))``
         columns are computed: the columns before them are copied from the prefixes, which cover them
-        since every prefix is at least ``len(seq) - q`` long (`_fill_past`). Without, ``q = width``."""
+        since every prefix is at least ``len(seq) - q`` long (`fill_past`). Without, ``q = width``."""
         dev = self._device
         lens = [len(x) for x in seqs]
         width = width or max(lens)
@@ -824,7 +824,7 @@ class TorchEngine:
         ids = ids.to(dev)
         start = torch.tensor([width - n for n in lens], device=dev)
         if past is not None:
-            self._fill_past(cache, past, lens, width, q)
+            fill_past(cache, past, lens, width, q)
         col = self._col[:width]
         qcol = col[width - q :]
         # Causal, not attending to left padding; a padding query attends to itself so that no row of
@@ -836,26 +836,6 @@ class TorchEngine:
         pos = (qcol[None, :] - start[:, None]).clamp_(min=0)
         logits = self._forward(ids, mask[:, None], pos, cache)
         return logits, start
-
-    def _fill_past(
-        self, cache: SlabCache, past: list[PrefixEntry], lens: list[int], width: int, q: int
-    ) -> None:
-        """Write the first ``len - q`` tokens' KV of each row from its prefix into the columns
-        ``[width - len, width - q)`` of the (empty) `cache`, and mark those columns used."""
-        p = width - q
-        rows = len(past)
-        for li, layer in enumerate(cache.layers):
-            k0, v0 = past[0].keys[li], past[0].values[li]
-            layer.lazy_initialization(
-                k0.new_empty(rows, k0.shape[0], 1, k0.shape[-1]),
-                v0.new_empty(rows, v0.shape[0], 1, v0.shape[-1]),
-            )
-            for row, (n, entry) in enumerate(zip(lens, past, strict=True)):
-                m = n - q
-                if m > 0:
-                    layer.keys[row, :, width - n : p].copy_(entry.keys[li][:, :m])
-                    layer.values[row, :, width - n : p].copy_(entry.values[li][:, :m])
-        cache.geo.length = p
 
     def _recompute_kv(self) -> None:
         """Rebuild the running rows' KV cache under the current weights (after a weight update), so
