@@ -1,22 +1,52 @@
-"""Synchronous against asynchronous training on this machine: trained samples/s and reward.
+"""Synchronous against asynchronous training on this machine: trained samples/s per thread split.
 
-Same task, model, warm start and sample budget for every mode; one run, so the ratios compare
-like with like on a shared machine.
+Same workload, model, warm start and sample budget for every mode. Modes: sync with 1 and with 2
+torch threads, and async (disaggregated: engine and trainer in their own threads) for each split
+of ``loop.engine_threads`` / ``loop.trainer_threads`` given by ``--splits``. Throughput is trained
+samples per second over the steps after the first (warm-up, and in async the first batch the trainer
+waits for, excluded), from the runs' own step times; ``--repeats`` alternating runs per mode.
 
-    python benchmarks/async_vs_sync.py                 # 1-digit addition, 20 steps of 32 x 8
-    python benchmarks/async_vs_sync.py --reward-latency 0.02   # a verifier taking 20 ms a call
+Workloads:
+
+- ``arithmetic``: examples/arithmetic_quick.yaml (1-digit addition, ~4-token answers), 32 x 8;
+- ``B``: 8 prompts x n=8 = 64 samples x 128 generated tokens: the tiny model before SFT, which
+  almost never emits its end token, so every sample runs to max_new_tokens;
+- ``calculator``: examples/calculator.yaml, the tool-using agent (multi-turn), 16 x 8, from an
+  SFT'd calculator model (``--model``, or one is trained first).
+
+    python benchmarks/async_vs_sync.py --workload B --steps 6
+    python benchmarks/async_vs_sync.py --workload calculator --model runs/calc_sft/model
+    python benchmarks/async_vs_sync.py --splits 1:1 1:2 2:1 --reward-latency 0.02
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import weir
 from weir.rollout.rewards import exact_match
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+QUIET = ["telemetry.console=false", "run.save_model=false", "data.eval_size=16"]
+WORKLOADS = {
+    "arithmetic": (
+        "arithmetic_quick.yaml",
+        ["rollout.max_new_tokens=4"],
+        True,
+    ),
+    "B": (
+        "arithmetic_quick.yaml",
+        ["rollout.batch_prompts=8", "rollout.n=8", "rollout.max_new_tokens=128"],
+        False,
+    ),
+    "calculator": ("calculator.yaml", [], True),
+}
 
 
 def slow_exact_match(sample, row, *, latency: float) -> float:
@@ -25,74 +55,99 @@ def slow_exact_match(sample, row, *, latency: float) -> float:
     return exact_match(sample, row)
 
 
-BASE = str(Path(__file__).parents[1] / "examples" / "arithmetic_quick.yaml")
-QUIET = ["telemetry.console=false", "run.save_model=false"]
+def throughput(history: list[dict]) -> tuple[float, float, float]:
+    """(trained samples/s over steps 2.., mean reward of the last 3 steps, mean train s/step)."""
+    steps = [h for h in history if "batch/samples" in h]
+    later = steps[1:] or steps
+    seconds = sum(h["time/step"] for h in later)
+    samples = sum(h["batch/samples"] for h in later)
+    reward = statistics.mean(h["reward/mean"] for h in steps[-3:])
+    train = statistics.mean(h["time/train"] for h in later)
+    return samples / seconds, reward, train
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--etas", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="arithmetic")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--eta", type=int, default=1, help="loop.max_staleness of the async runs")
+    ap.add_argument(
+        "--splits",
+        nargs="+",
+        default=["1:1", "1:2", "2:1"],
+        help="async thread splits engine:trainer",
+    )
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--model", help="warm-start model (default: SFT one now, if the workload has one)"
+    )
     ap.add_argument(
         "--reward-latency", type=float, default=0.0, help="seconds each reward call sleeps"
     )
     args = ap.parse_args()
+    config, extra, warm_start = WORKLOADS[args.workload]
+    base = str(EXAMPLES / config)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        sft_model = weir.sft(BASE, [*QUIET, f"run.dir={root / 'sft'}"])
-        common = [
-            *QUIET,
-            f"model.path={sft_model}",
-            f"run.steps={args.steps}",
-            f"rollout.max_new_tokens={args.max_new_tokens}",
-        ]
+        model = args.model
+        if model is None and warm_start:
+            model = str(weir.sft(base, [*QUIET, f"run.dir={root / 'sft'}"]))
+        common = [*QUIET, *extra, f"run.steps={args.steps}", f"run.eval_every={10 * args.steps}"]
+        if model is not None:
+            common.append(f"model.path={model}")
         modes = [
             ("sync, 1 thread", ["loop.mode=sync", "model.threads=1"]),
             ("sync, 2 threads", ["loop.mode=sync", "model.threads=2"]),
         ]
-        modes += [
-            (f"async eta={e}", ["loop.mode=async", f"loop.max_staleness={e}"]) for e in args.etas
-        ]
-        rows = []
-        for name, extra in modes:
-            start = time.perf_counter()
-            reward = (
-                functools.partial(slow_exact_match, latency=args.reward_latency)
-                if args.reward_latency
-                else None
-            )
-            result = weir.run(
-                BASE, [*common, *extra, f"run.dir={root / name.replace(' ', '_')}"], reward=reward
-            )
-            seconds = time.perf_counter() - start
-            steps = [h for h in result.history if "reward/mean" in h]
-            samples = sum(h["batch/samples"] for h in steps)
-            train_s = sum(h["time/train"] for h in steps)
-            rows.append(
+        for split in args.splits:
+            e, t = split.split(":")
+            modes.append(
                 (
-                    name,
-                    samples / seconds,
-                    sum(h["reward/mean"] for h in steps[-5:]) / 5,
-                    result.evals[-1]["eval/accuracy"],
-                    seconds,
-                    train_s,
-                    max(h.get("staleness/max", 0) for h in steps),
+                    f"async {e}+{t} thr",
+                    [
+                        "loop.mode=async",
+                        f"loop.max_staleness={args.eta}",
+                        f"loop.engine_threads={e}",
+                        f"loop.trainer_threads={t}",
+                        f"model.threads={t}",
+                    ],
                 )
             )
-    base = rows[0][1]
+        reward = (
+            functools.partial(slow_exact_match, latency=args.reward_latency)
+            if args.reward_latency
+            else None
+        )
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _ in modes}
+        loads = []
+        for rep in range(args.repeats):
+            for name, mode in modes:
+                run_dir = root / f"{name.replace(' ', '_').replace(',', '')}_{rep}"
+                loads.append(os.getloadavg()[0])
+                result = weir.run(base, [*common, *mode, f"run.dir={run_dir}"], reward=reward)
+                results[name].append(throughput(result.history))
+                loads.append(os.getloadavg()[0])
     print(
-        f"{args.steps} steps x 32 prompts x n=8 (examples/arithmetic_quick.yaml), "
-        f"reward latency {args.reward_latency * 1000:.0f} ms"
+        f"workload {args.workload}: {config} {' '.join(extra)}; {args.steps} steps, async eta "
+        f"{args.eta}, reward latency {args.reward_latency * 1000:.0f} ms; {args.repeats} "
+        f"alternating run(s) per mode; {os.cpu_count()} cores, load average "
+        f"{min(loads):.1f}-{max(loads):.1f} during the runs"
     )
+    base_sps = max(
+        statistics.median(r[0] for r in results[name]) for name, _ in modes[:2]
+    )  # the faster sync mode
     print(
-        f"{'mode':<18}{'samples/s':>10}{'ratio':>7}{'reward(last5)':>15}{'eval acc':>10}{'wall s':>8}{'train s':>9}{'max stale':>10}"
+        f"{'mode':<18}{'samples/s':>10}{'range':>15}{'vs best sync':>14}{'reward':>8}{'train s':>9}"
     )
-    for name, sps, rew, acc, sec, tr, st in rows:
+    for name, _ in modes:
+        rs = results[name]
+        sps = [r[0] for r in rs]
+        med = statistics.median(sps)
         print(
-            f"{name:<18}{sps:>10.1f}{sps / base:>7.2f}{rew:>15.3f}{acc:>10.3f}{sec:>8.1f}{tr:>9.1f}{st:>10.0f}"
+            f"{name:<18}{med:>10.2f}{f'{min(sps):.2f}-{max(sps):.2f}':>15}{med / base_sps:>14.2f}"
+            f"{statistics.median(r[1] for r in rs):>8.3f}{statistics.median(r[2] for r in rs):>9.2f}"
         )
 
 

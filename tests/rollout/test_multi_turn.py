@@ -174,9 +174,12 @@ def test_torch_engine_trajectory_is_token_exact_and_on_policy(tiny_model_dir):
         ctx = make_ctx(engine, agent)
         ctx = ctx.with_sampling(max_new_tokens=12, stop_token_ids=list(range(6, 200)), seed=3)
         sample = asyncio.run(run_episode(ctx, ROW, Echo(), agent))
+        stats = engine.stats()
     finally:
         engine.close()
     assert sample.reward_info["turns"] == 3 and len(returned) == 3
+    # turns 2 and 3 reused the KV of the turn before (the parity below holds with it)
+    assert stats["prefix_hits"] == 2 and stats["prefix_reused_tokens"] > 0
     expected, mask, logprobs = [], [], []
     codec = observation_codec(TOK)
     for i, c in enumerate(returned):

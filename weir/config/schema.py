@@ -302,6 +302,11 @@ class EngineConfig(Section):
     whole GPU for weights and KV cache)."""
     kv_idle_release_s: float | None = Field(10.0, ge=0)
     """Give the KV cache back after the engine has been idle this many seconds; null keeps it."""
+    prefix_cache: bool = True
+    """Built-in engine: keep the KV of each finished model turn of a multi-turn episode (and of an
+    OpenAI-server session) and reuse it for the next turn, which then prefills only the new tokens
+    instead of the whole conversation. Entries count against the KV budget and are dropped on a
+    weight update, a sleep or an idle release; see docs/engine-memory.md."""
     sleep_while_training: bool = True
     """Sync loop, and async with loop.placement=colocated: the engine frees its KV cache while the
     trainer trains (requests in flight keep their tokens; their KV is rebuilt on wake)."""

@@ -46,6 +46,11 @@ class SamplingParams:
       batched with others (each sample draws from its own counter-based stream keyed by the seed and
       the sample index). When None, the engine derives a seed from its own seed and the submission
       order.
+    - ``keep_kv``: a hint that a later request will continue this prompt + completion (the next turn
+      of a multi-turn episode). The torch engine then keeps the KV of a completion that ends with a
+      stop token, and the request whose prompt extends it reuses that KV instead of prefilling the
+      conversation again (`weir.engine.prefix_cache`); other engines ignore it (vLLM and SGLang
+      cache prefixes themselves). It never changes what is sampled.
     """
 
     n: int = 1
@@ -55,6 +60,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)  # eos is always a stop
     seed: int | None = None
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:

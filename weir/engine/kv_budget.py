@@ -253,6 +253,8 @@ class KVState:
     """In-place moves of the live columns (the right edge ran out, the capacity did not)."""
     releases: int = 0
     """Times the slabs were given back (idle, sleep)."""
+    copied_bytes: int = 0
+    """KV bytes of live rows copied by reallocations and moves (not the newcomers' own KV)."""
 
 
 def kv_options(engine_cfg) -> dict:
@@ -261,4 +263,5 @@ def kv_options(engine_cfg) -> dict:
         "kv_budget_gb": engine_cfg.kv_budget_gb,
         "kv_budget_fraction": engine_cfg.kv_budget_fraction,
         "kv_idle_release_s": engine_cfg.kv_idle_release_s,
+        "prefix_cache": engine_cfg.prefix_cache,
     }

@@ -186,7 +186,7 @@ class RunningBatch(Rows):
             self._realloc_cache(b + m, new_len, headroom, pcache)
             geo = self.geo
         elif c0 < 0 or c0 + new_len + headroom > cols_cap:
-            self._move_live(new_len)  # the capacity suffices; the live columns sit too far right
+            self._move_live(new_len, headroom)  # the capacity suffices, not on this side
         elif new_len > length or not b:
             # Extend the used columns to the left (stale columns there are finite and masked out).
             if b:
@@ -204,7 +204,7 @@ class RunningBatch(Rows):
 
     def _realloc_cache(self, rows: int, new_len: int, headroom: int, like: SlabCache) -> None:
         """New slabs with room for `rows` rows and `new_len + headroom` columns; live rows are moved
-        right-aligned to column `new_len` (c0 = 0)."""
+        right-aligned to column ``c0 + new_len``, with ``c0 = left_slack(...)``."""
         geo = self.geo
         b, length = self.n, geo.length
         plan = self.plan(rows, new_len + headroom)
@@ -212,10 +212,11 @@ class RunningBatch(Rows):
             # here: admission checked the plan) or large enough: the exact need, in new slabs
             plan = SlabPlan(max(rows, self.capacity()[0]), new_len + headroom, 0, True)
         rows_cap, cols_cap = plan.rows, plan.cols
+        left = left_slack(cols_cap, new_len + headroom)
         old = self.cache
         if not b:
             self.cache = old = None  # nothing to copy: free the old slabs before allocating
-        new_geo = Geometry(b, 0, new_len)
+        new_geo = Geometry(b, left, new_len)
         new = SlabCache(self.num_layers, new_geo, cols_cap)
         meter = self.kv.meter
         for i, layer in enumerate(new.layers):
@@ -225,7 +226,7 @@ class RunningBatch(Rows):
                 buf = meter.track(t.new_zeros(rows_cap, t.shape[1], cols_cap, t.shape[3]))
                 if b:
                     src = getattr(old.layers[i], name)
-                    buf[:b, :, new_len - length : new_len].copy_(
+                    buf[:b, :, left + new_len - length : left + new_len].copy_(
                         src[:b, :, geo.c0 : geo.c0 + length]
                     )
                     setattr(old.layers[i], name, None)  # free each old slab once copied
@@ -233,6 +234,7 @@ class RunningBatch(Rows):
                 setattr(layer, name, buf)
             layer.dtype, layer.device, layer.is_initialized = ref.dtype, ref.device, True
         self.kv.reallocs += 1
+        self.kv.copied_bytes += b * length * self.kv.cell
         real = sum(
             t.numel() * t.element_size() for layer in new.layers for t in (layer.keys, layer.values)
         )
@@ -278,12 +280,13 @@ class RunningBatch(Rows):
             copy_old=self.n > 0,
         )
 
-    def _move_live(self, new_len: int) -> None:
-        """Move the live columns within the slabs so that they end at column `new_len` (c0 = 0), one
-        slab at a time through a scratch copy of its live part."""
+    def _move_live(self, new_len: int, headroom: int) -> None:
+        """Move the live columns within the slabs so that they end at column ``c0 + new_len``, with
+        ``c0 = left_slack(...)``, one slab at a time through a scratch copy of its live part."""
         geo = self.geo
         b, c0, length = self.n, geo.c0, geo.length
-        dst0 = new_len - length
+        left = left_slack(self.capacity()[1], new_len + headroom)
+        dst0 = left + new_len - length
         meter = self.kv.meter
         for layer in self.cache.layers:
             for name in ("keys", "values"):
@@ -295,8 +298,9 @@ class RunningBatch(Rows):
                 del src
         if b and new_len > length:
             self.start += new_len - length
-        geo.c0, geo.length = 0, new_len
+        geo.c0, geo.length = left, new_len
         self.kv.moves += 1
+        self.kv.copied_bytes += b * length * self.kv.cell
 
     def release_cache(self) -> None:
         """Drop the slabs (their memory is freed once nothing else references them). Rows still
@@ -370,6 +374,16 @@ class RunningBatch(Rows):
                 self.start -= first
                 self.geo.c0 += first
                 self.geo.length -= first
+
+
+def left_slack(cols_cap: int, need: int) -> int:
+    """Where the used columns start after a reallocation or a move: half the spare columns.
+
+    Columns are used on both sides: every decode step takes one on the right, and a newcomer whose
+    prompt is longer than the used columns extends them on the left. With the spare split evenly,
+    neither side runs out at the next such event, so a stream of admissions with growing prompts
+    (multi-turn conversations) does not move the whole cache on every admission."""
+    return max(0, cols_cap - need) // 2
 
 
 def ensure_capacity(t: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tensor:

@@ -96,6 +96,7 @@ from weir.engine.kv_budget import (
 )
 from weir.engine.masks import layer_masks
 from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
+from weir.engine.prefix_cache import PrefixCache, PrefixEntry, fill_past
 from weir.engine.requests import Request, expand_versions, set_exception
 from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, RunningBatch, SlabCache
 from weir.engine.streams import sample_key, stream_uniform
@@ -151,6 +152,9 @@ class TorchEngine:
             `KVBudgetError`. Activations are not counted.
         kv_budget_fraction: instead, that fraction of the device memory free when the engine starts.
         kv_idle_release_s: give the KV slabs back after this many idle seconds (None: keep them).
+        prefix_cache: keep the KV of finished ``keep_kv`` requests (multi-turn episodes) and reuse
+            it for the request that continues the conversation (`weir.engine.prefix_cache`).
+        prefix_cache_entries: most entries kept (default: ``max_batch_size``).
     """
 
     def __init__(
@@ -169,6 +173,8 @@ class TorchEngine:
         kv_budget_gb: float | None = None,
         kv_budget_fraction: float | None = None,
         kv_idle_release_s: float | None = None,
+        prefix_cache: bool = True,
+        prefix_cache_entries: int | None = None,
     ):
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -208,6 +214,11 @@ class TorchEngine:
             meter=KVMeter(),
         )
         self._kv_idle_release_s = kv_idle_release_s
+        self._prefix = (
+            PrefixCache(self._kv.meter, prefix_cache_entries or max_batch_size)
+            if prefix_cache and self._vision is None  # a VLM prompt's KV holds its image
+            else None
+        )
         self._last_busy = time.monotonic()
         self._asleep = False
         self._offloaded: OffloadedWeights | None = None
@@ -228,6 +239,7 @@ class TorchEngine:
             "requests": 0,
             "generated_tokens": 0,
             "prefill_tokens": 0,
+            "admitted": 0,
             "decode_steps": 0,
             "busy_s": 0.0,
         }
@@ -338,6 +350,7 @@ class TorchEngine:
             finally:
                 # The weights may have changed even when nothing was copied (colocated trainer).
                 self._stale_kv = self._stale_kv or self._recompute_kv_on_update
+                self._drop_prefixes()
 
     def pause_sync(self) -> None:
         """Stop the loop between decode steps; requests in flight keep their state. Returns once
@@ -394,11 +407,24 @@ class TorchEngine:
             out["running_rows"] = self._batch.n
             out["waiting_requests"] = len(self._pending)
         out.update(self.kv_stats())
+        out.update(self.prefix_stats())
+        return out
+
+    def prefix_stats(self) -> dict[str, float]:
+        """Cross-turn KV reuse: entries stored, hits and misses of ``keep_kv`` lookups, prompt tokens
+        whose KV was reused instead of prefilled, entries evicted, entries and bytes held now."""
+        pc = self._prefix
+        if pc is None:
+            return {}
+        out = {f"prefix_{k}": float(v) for k, v in pc.stats.items()}
+        out["prefix_entries"] = float(len(pc))
+        out["prefix_bytes"] = float(pc.nbytes)
         return out
 
     def kv_stats(self) -> dict[str, float]:
         """KV cache memory: bytes alive now and at most so far (the engine's own tensors), the budget
-        (0: none), slab reallocations, in-place moves and releases (idle, sleep)."""
+        (0: none), slab reallocations, in-place moves, the live KV bytes those two copied, and
+        releases (idle, sleep)."""
         kv = self._kv
         return {
             "kv_bytes": float(kv.meter.live),
@@ -406,6 +432,7 @@ class TorchEngine:
             "kv_budget_bytes": float(kv.budget or 0),
             "kv_reallocs": float(kv.reallocs),
             "kv_moves": float(kv.moves),
+            "kv_copied_bytes": float(kv.copied_bytes),
             "kv_releases": float(kv.releases),
             "asleep": float(self._asleep),
         }
@@ -426,6 +453,7 @@ class TorchEngine:
             if b.n:
                 self._stale_kv = True
             b.release_cache()
+            self._drop_prefixes()
             if offload_weights:
                 self._offloaded = offload_parameters(self.model)
             return_cached_memory(self._device)
@@ -550,6 +578,7 @@ class TorchEngine:
             rows = list(range(b.n))
             self._complete(b, rows, ["abort"] * len(rows))
         self._batch = self._new_batch()
+        self._drop_prefixes()
 
     # -- internals: the loop -----------------------------------------------------------------------
 
@@ -612,6 +641,7 @@ class TorchEngine:
         elif self._step_lock.acquire(blocking=False):  # not while a control operation runs
             try:
                 b.release_cache()
+                self._drop_prefixes()
                 return_cached_memory(self._device)
             finally:
                 self._step_lock.release()
@@ -670,7 +700,11 @@ class TorchEngine:
                 fits_tokens = longest_if * (len(taken) + 1) <= self.max_prefill_tokens or not taken
                 if not (fits_rows and fits_tokens):
                     break
-                if self._kv.budget is not None and not self._kv_fits([*taken, req]):
+                if (
+                    self._kv.budget is not None
+                    and not self._kv_fits([*taken, req])
+                    and not self._evict_prefixes_for([*taken, req])
+                ):
                     if taken or self._batch.n:
                         break  # wait for rows to finish and give their columns back
                     self._batch.release_cache()  # the idle slabs may be the wrong shape
@@ -763,15 +797,41 @@ class TorchEngine:
         return out.logits[:, -1, :].float()
 
     def _admit(self, reqs: list[Request]) -> None:
+        """Prefill and join `reqs`: those that continue a cached conversation (`_take_prefixes`) in
+        one forward over what is new, the others in one forward over their whole prompts."""
+        self._stats["admitted"] += len(reqs)
+        past = self._take_prefixes(reqs)
+        if not past:
+            self._admit_group(reqs, None)
+            return
+        misses = [r for r in reqs if r not in past]
+        if misses:
+            self._admit_group(misses, None)
+        hits = [r for r in reqs if r in past]
+        self._admit_group(hits, [past[r] for r in hits])
+
+    def _take_prefixes(self, reqs: list[Request]) -> dict[Request, PrefixEntry]:
+        pc = self._prefix
+        if pc is None or not len(pc):
+            return {}
+        found = {}
+        # any request may continue a kept conversation; only keep_kv ones keep theirs
+        for r in reqs:
+            entry = pc.take(r.prompt, self.version)
+            if entry is not None:
+                found[r] = entry
+        return found
+
+    def _admit_group(self, reqs: list[Request], past: list[PrefixEntry] | None) -> None:
         try:
-            staged = self._prefill(reqs)
+            staged = self._prefill(reqs, past)
         except Exception as exc:
             if len(reqs) == 1:
                 set_exception(reqs[0].future, exc)
                 return
             # Isolate the faulty request(s): prefill one by one.
-            for req in reqs:
-                self._admit([req])
+            for i, req in enumerate(reqs):
+                self._admit_group([req], None if past is None else [past[i]])
             return
         if staged is not None:
             try:
@@ -787,26 +847,38 @@ class TorchEngine:
         cache: SlabCache,
         width: int | None = None,
         visions: list[VisionInputs | None] | None = None,
+        past: list[PrefixEntry] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """One forward over `seqs` left-padded to `width` (default: the longest), filling `cache`.
-        Returns the last position's logits, each sequence's first real column and its position
-        offset (a vision-language model's rope delta, `weir.data.vision_model`; else 0)."""
+        """One forward over `seqs` right-aligned in `width` columns (default: the longest), filling
+        `cache`. Returns the last position's logits, each sequence's first real column and its
+        position offset (a vision-language model's rope delta, `weir.data.vision_model`; else 0).
+
+        With `past` (one cached prefix per sequence) only the last ``q = max(len(seq) - len(prefix))``
+        columns are computed: the columns before them are copied from the prefixes, which cover them
+        since every prefix is at least ``len(seq) - q`` long (`fill_past`). Without, ``q = width``.
+        A vision-language model never has `past` (its prompts' KV holds the image)."""
         dev = self._device
         lens = [len(x) for x in seqs]
         width = width or max(lens)
+        q = width if past is None else max(n - e.length for n, e in zip(lens, past, strict=True))
         pad = self.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in seqs], device=dev)
+        ids = torch.tensor([[pad] * max(0, q - len(x)) + x[max(0, len(x) - q) :] for x in seqs])
+        ids = ids.to(dev)
         start = torch.tensor([width - n for n in lens], device=dev)
+        if past is not None:
+            fill_past(cache, past, lens, width, q)
         col = self._col[:width]
+        qcol = col[width - q :]
         # Causal, not attending to left padding; a padding query attends to itself so that no row of
         # the mask is empty (keeps the padding positions finite).
-        mask = (col[None, None, :] <= col[None, :, None]) & (
+        mask = (col[None, None, :] <= qcol[None, :, None]) & (
             col[None, None, :] >= start[:, None, None]
         )
-        mask |= torch.eye(width, dtype=torch.bool, device=dev)
-        pos = (col[None, :] - start[:, None]).clamp_(min=0)
+        mask |= col[None, None, :] == qcol[None, :, None]
+        pos = (qcol[None, :] - start[:, None]).clamp_(min=0)
         deltas, pixels = [0] * len(seqs), {}
         if self._vision is not None:
+            assert past is None, "no prefix reuse with pixel inputs"
             visions = visions or [None] * len(seqs)
             pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
             pos = pixels.pop("position_ids")
@@ -850,18 +922,26 @@ class TorchEngine:
         b.start.copy_(start)
         self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
 
-    def _prefill(self, reqs: list[Request]) -> tuple[Rows, SlabCache, torch.Tensor] | None:
-        """Prefill the prompts of `reqs` (each once), sample every sample's first token and retire
-        the samples that already finished. Returns the other rows, the prompts' cache and, for each
-        row, its prompt's row in that cache (None when every sample finished)."""
+    def _prefill(
+        self, reqs: list[Request], past: list[PrefixEntry] | None = None
+    ) -> tuple[Rows, SlabCache, torch.Tensor] | None:
+        """Prefill the prompts of `reqs` (each once; with `past`, only what follows their cached
+        prefixes), sample every sample's first token and retire the samples that already finished.
+        Returns the other rows, the prompts' cache and, for each row, its prompt's row in that cache
+        (None when every sample finished)."""
         dev = self._device
         lens = [len(r.prompt) for r in reqs]
         width = max(lens)
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
         logits, _, deltas = self._prefill_forward(
-            [r.prompt for r in reqs], cache, visions=[r.vision for r in reqs]
+            [r.prompt for r in reqs], cache, visions=[r.vision for r in reqs], past=past
         )
-        self._stats["prefill_tokens"] += sum(lens)
+        computed = sum(lens)
+        if past is not None:
+            q = max(n - e.length for n, e in zip(lens, past, strict=True))
+            computed = sum(min(n, q) for n in lens)
+            self._prefix.stats["reused_tokens"] += sum(lens) - computed
+        self._stats["prefill_tokens"] += computed
 
         # One row per sample: a prompt's cache and logits are shared by its n samples.
         ns = [r.params.n for r in reqs]
@@ -901,6 +981,10 @@ class TorchEngine:
             [[(0, self.version)] for _ in range(nrows)],
         )
         self._sample_and_record(inc, logits.index_select(0, owner))
+        if self._prefix is not None:  # samples whose first token is a stop token
+            stopped = (inc.stops_v == inc.tok.unsqueeze(1)).any(1).nonzero().squeeze(1).tolist()
+            if stopped:
+                self._keep_prefixes(inc, stopped, cache, owner.tolist())
         done = self._retire_done(inc)
         if done is not None:
             finished = set(done)
@@ -997,8 +1081,58 @@ class TorchEngine:
             return None
         rows = done.nonzero().squeeze(1).tolist()
         hits = hit.tolist()
+        if self._prefix is not None and b is self._batch:
+            self._keep_prefixes(b, [r for r in rows if hits[r]], b.cache)
         self._complete(b, rows, ["stop" if hits[i] else "length" for i in rows])
         return rows
+
+    def _keep_prefixes(
+        self, b: Rows, rows: list[int], cache: SlabCache, owner: list[int] | None = None
+    ) -> None:
+        """Copy the KV of the finished ``keep_kv`` rows in `rows` into the prefix cache: prompt +
+        tokens generated but the last (sampled, never fed back), all under the current weights.
+        Row ``r`` of `b` has its KV in row ``owner[r]`` of `cache` (default: row ``r``), in the
+        columns from its start to the end of the used ones."""
+        rows = [
+            r
+            for r in rows
+            if b.reqs[r].params.keep_kv
+            and (len(b.vchanges[r]) == 1 or self._recompute_kv_on_update)
+            and b.vchanges[r][-1][1] == self.version
+        ]
+        if not rows:
+            return
+        geo, kv = cache.geo, self._kv
+        # Leave room for the scratch slab that moving rows into the finished rows' slots takes.
+        scratch = self._batch.slab_bytes() // kv.tensors
+        budget = None if kv.budget is None else kv.budget - scratch
+        starts, ngens = b.start.tolist(), b.ngen.tolist()
+        for r in rows:
+            g = ngens[r]
+            ids = b.reqs[r].prompt + b.out_tok[r, : g - 1].tolist()
+            lo, hi = geo.c0 + starts[r], geo.c0 + geo.length
+            if hi - lo != len(ids):  # not the layout this copy assumes: keep nothing
+                continue
+            row = r if owner is None else owner[r]
+            self._prefix.store(
+                ids,
+                [layer.keys[row, :, lo:hi] for layer in cache.layers],
+                [layer.values[row, :, lo:hi] for layer in cache.layers],
+                self.version,
+                budget,
+            )
+
+    def _evict_prefixes_for(self, reqs: list[Request]) -> bool:
+        """Evict cached prefixes, oldest first, until `reqs` fit the KV budget; whether they do."""
+        pc = self._prefix
+        while pc is not None and pc.evict_one():
+            if self._kv_fits(reqs):
+                return True
+        return False
+
+    def _drop_prefixes(self) -> None:
+        if self._prefix is not None:
+            self._prefix.clear()
 
     def _complete(self, b: Rows, rows: list[int], reasons: list[str]) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self._device)
@@ -1020,9 +1154,14 @@ class TorchEngine:
     def _decode_step(self) -> None:
         b = self._batch
         geo = b.geo
-        if geo.c0 + geo.length >= b.cache.layers[0].keys.shape[2]:
-            # Out of columns on the right (rows outlived the headroom): move to larger slabs.
-            b._realloc_cache(b.n, geo.length, max(b.remaining(), 16), b.cache)
+        cols = b.cache.layers[0].keys.shape[2]
+        if geo.c0 + geo.length >= cols:
+            # Out of columns on the right (rows outlived the headroom): move left within the slabs
+            # when they are wide enough, else to larger slabs.
+            if geo.length + b.remaining() < cols:
+                b._move_live(geo.length, b.remaining())
+            else:
+                b._realloc_cache(b.n, geo.length, max(b.remaining(), 16), b.cache)
         mask = self._col[: b.geo.length + 1].unsqueeze(0) >= b.start.unsqueeze(1)
         logits = self._forward(
             b.tok.unsqueeze(1), mask[:, None, None, :], b.pos.unsqueeze(1), b.cache

@@ -130,6 +130,7 @@ async def run_episode(
                 n=1,
                 max_new_tokens=min(ctx.sampling.max_new_tokens, budget),
                 seed=_turn_seed(ctx.sampling.seed, prompt_ids, index, turn),
+                keep_kv=turn < agent.max_turns - 1,  # the next turn may reuse this one's KV
             )
             (c,) = await ctx.engine.generate(prompt_ids + ids, params)
             _append(ids, mask, logprobs, versions, c)

@@ -186,6 +186,7 @@ class ServerState:
             top_k=req.top_k or 0,
             max_new_tokens=limit,
             seed=req.seed,
+            keep_kv=session is not None,  # a session's next call continues this conversation
         )
         forced = session.sampling if session is not None else None
         if forced is not None:
