@@ -16,16 +16,23 @@ def S(text: str) -> Sample:
 
 
 def test_registry():
-    assert set(TASKS) == {"arithmetic", "calculator", "code", "countdown", "gsm8k", "humaneval"}
+    assert set(TASKS) == {
+        "arithmetic",
+        "calculator",
+        "code",
+        "countdown",
+        "gsm8k",
+        "humaneval",
+        "proposer_checker",
+    }
     for name, spec in TASKS.items():
         assert isinstance(spec, TaskSpec) and spec.name == name and spec.description
         assert callable(get_reward(spec.reward))  # every default reward resolves
     assert get_task("arithmetic").reward == "exact_match"
     with pytest.raises(ValueError) as e:
         get_task("arithmetc")
-    assert "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'humaneval']" in str(
-        e.value
-    ) and "did you mean" in str(e.value)
+    valid = "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'humaneval', 'proposer_checker']"
+    assert valid in str(e.value) and "did you mean" in str(e.value)
 
 
 # ---------------------------------------------------------------------------------- arithmetic

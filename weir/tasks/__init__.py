@@ -12,7 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weir.tasks import arithmetic, calculator, code, countdown, gsm8k, humaneval
+from weir.tasks import (
+    arithmetic,
+    calculator,
+    code,
+    countdown,
+    gsm8k,
+    humaneval,
+    proposer_checker,
+)
 
 __all__ = ["TaskSpec", "TASKS", "get_task"]
 
@@ -41,7 +49,7 @@ TASKS: dict[str, TaskSpec] = {
         reward=m.REWARD,
         description=m.DESCRIPTION,
     )
-    for m in (arithmetic, countdown, gsm8k, calculator, code, humaneval)
+    for m in (arithmetic, countdown, gsm8k, calculator, code, humaneval, proposer_checker)
 }
 
 
