@@ -104,10 +104,15 @@ def test_each_role_trains_only_its_own_tokens_with_its_own_advantages(tiny_model
     assert not torch.allclose(got, mixed, atol=1e-6, rtol=1e-3)
 
 
+@pytest.fixture(scope="module")
+def warm_model(tmp_path_factory) -> str:
+    """Both roles warm-started by SFT on the CI-sized config (shared by the tests below)."""
+    return str(weir.sft(QUICK, [f"run.dir={tmp_path_factory.mktemp('ma') / 'sft'}"]))
+
+
 @pytest.mark.slow
-def test_proposer_and_checker_learn_together(tmp_path):
-    sft_model = weir.sft(QUICK, [f"run.dir={tmp_path / 'sft'}"])
-    result = weir.run(QUICK, [f"run.dir={tmp_path / 'rl'}", f"model.path={sft_model}"])
+def test_proposer_and_checker_learn_together(warm_model, tmp_path):
+    result = weir.run(QUICK, [f"run.dir={tmp_path / 'rl'}", f"model.path={warm_model}"])
     hist = [h for h in result.history if "reward/proposer/own_mean" in h]
     assert len(hist) == 15
 
@@ -124,3 +129,29 @@ def test_proposer_and_checker_learn_together(tmp_path):
     for key in ("reward/proposer/mean", "reward/checker/std", "response/checker/length_mean"):
         assert key in lines[-1], key
     assert lines[-1]["mismatch/abs_logp_diff"] < 1e-4
+
+
+@pytest.mark.slow
+def test_multi_agent_episodes_train_in_the_async_loop(warm_model, tmp_path):
+    result = weir.run(
+        QUICK,
+        [
+            f"run.dir={tmp_path / 'async'}",
+            f"model.path={warm_model}",
+            "loop.mode=async",
+            "loop.max_staleness=1",
+            "run.steps=3",
+            "run.save_model=false",
+        ],
+    )
+    steps = [h for h in result.history if "reward/checker/mean" in h]
+    assert len(steps) == 3
+    for h in steps:
+        # 16 prompts x 8 episodes: a proposer view each, a checker view unless the proposer's
+        # turn ran out of tokens; all of them trained
+        assert h["rollout/proposer/samples"] == 16 * 8
+        assert h["rollout/checker/samples"] >= 0.9 * 16 * 8
+        assert h["batch/samples"] == h["rollout/proposer/samples"] + h["rollout/checker/samples"]
+        assert h["mismatch/abs_logp_diff"] < 1e-4
+        assert 0.0 <= h["reward/team/mean"] <= 1.0
+    assert max(h["staleness/max"] for h in steps) <= 1
