@@ -199,6 +199,21 @@ def test_scorer_failures_fail_the_samples_and_are_counted():
         parse_outcome({"q": 1.0}, ["p", "c"])
 
 
+def test_a_slow_scorer_times_out_and_fails_the_episode():
+    async def slow(episode, row):
+        await asyncio.sleep(5)
+        return 1.0
+
+    ctx = ctx_for(
+        RoleEngine({"p": ["7"], "c": ["yes"]}), roles("p", "c", scorer="x:y"), scorer=slow
+    )
+    ctx.reward_timeout_s = 0.05
+    group = asyncio.run(rollout(ctx, ROW))
+    assert [s.error for s in group.samples] == [
+        "ScorerError: TimeoutError: the scorer took longer than 0.05 s"
+    ] * 2
+
+
 def test_a_turn_cut_by_the_token_limit_ends_the_episode_truncated():
     engine = RoleEngine({"p": ["123456"], "c": ["yes"]})
     ma = roles("p", "c")
@@ -313,3 +328,13 @@ def test_config_refuses_what_it_cannot_run(overrides, message):
     ]
     with pytest.raises(ConfigError, match=message):
         build_config({}, [*base, *overrides])
+
+
+@pytest.mark.parametrize("name", ["proposer_checker", "proposer_checker_quick"])
+def test_example_role_prompts_are_the_ones_the_task_trains_in_sft(name):
+    from pathlib import Path
+
+    from weir.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "examples" / f"{name}.yaml")
+    assert {r.name: r.prompt for r in cfg.multi_agent.roles} == proposer_checker.PROMPTS

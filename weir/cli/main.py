@@ -217,7 +217,8 @@ def demo(
     task: Annotated[
         str,
         typer.Option(
-            help="Demo task: arithmetic, calculator (a tool-using agent) or code (sandboxed tests)."
+            help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests) "
+            "or proposer_checker (two roles, multi-agent).",
         ),
     ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),

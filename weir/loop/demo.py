@@ -1,6 +1,7 @@
 """`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
 
-`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent) or
+`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
+`proposer_checker` (two roles learning together, docs/multi-agent.md) or
 `code` (functions written from a spec, rewarded by hidden tests run in the sandbox).
 """
 

@@ -104,7 +104,7 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
     scorer = (
         ctx.extras["multi_agent_scorer"] if "multi_agent_scorer" in ctx.extras else make_scorer(ma)
     )
-    codec = ctx.extras.get("role_codec") or observation_codec(ctx.tokenizer, role="user")
+    codec = observation_codec(ctx.tokenizer, role="user")  # other roles' turns: user messages
     episodes = await asyncio.gather(
         *(run_episode(ctx, row, ma, scorer, codec, index=i) for i in range(ctx.sampling.n))
     )

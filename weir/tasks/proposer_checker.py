@@ -25,7 +25,7 @@ __all__ = ["make_rows", "sft_rows", "score", "verdict", "PROPOSER", "CHECKER", "
 REWARD = "exact_match"  # unused when multi_agent.scorer is this module's `score`
 DESCRIPTION = "a proposer proposes a sum, a checker accepts or rejects it (two roles, one policy)"
 PROPOSER, CHECKER = "proposer", "checker"
-PROMPTS = {PROPOSER: "propose the sum", CHECKER: "check the sum: yes or no"}
+PROMPTS = {PROPOSER: "propose the result", CHECKER: "check the result: yes or no"}
 
 
 def make_rows(split: str, n: int, seed: int, **difficulty: Any) -> list[dict[str, Any]]:
