@@ -318,6 +318,8 @@ def test_per_role_metrics_and_team_evaluation():
         (["multi_agent.credit=role"], "needs per-role rewards"),
         (["rollout.function=weir.rollout.single_turn:rollout"], "ignores it"),
         (["multi_agent.roles=[]"], "needs multi_agent.roles"),
+        (["multi_agent.roles=[{name: team}, {name: b}]"], "rename the role"),
+        (["multi_agent.roles=[{name: a}, {name: a}]"], "must be distinct"),
     ],
 )
 def test_config_refuses_what_it_cannot_run(overrides, message):

@@ -452,6 +452,10 @@ class MultiAgentConfig(Section):
     @model_validator(mode="after")
     def _check_roles(self) -> MultiAgentConfig:
         names = [r.name for r in self.roles]
+        if "team" in names:
+            raise ValueError(
+                "multi_agent.roles: 'team' names the team's reward (reward/team/mean); rename the role"
+            )
         if len(set(names)) != len(names):
             raise ValueError(f"multi_agent.roles: role names must be distinct, got {names}")
         unknown = sorted(set(self.turns or []) - set(names))
