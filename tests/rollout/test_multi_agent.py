@@ -340,3 +340,19 @@ def test_example_role_prompts_are_the_ones_the_task_trains_in_sft(name):
 
     cfg = load_config(Path(__file__).parents[2] / "examples" / f"{name}.yaml")
     assert {r.name: r.prompt for r in cfg.multi_agent.roles} == proposer_checker.PROMPTS
+
+
+def test_demo_summary_has_each_roles_accuracy_before_and_after():
+    from weir.loop.demo import role_summary
+
+    evals = [
+        {"eval/accuracy": 0.1, "eval/p/accuracy": 0.2, "eval/pass@1": 0.1},
+        {"eval/accuracy": 0.3, "eval/p/accuracy": 0.4},
+        {"eval/accuracy": 0.3, "eval/p/accuracy": 0.6},
+        {"eval/accuracy": 0.3, "eval/p/accuracy": 0.8},
+    ]
+    assert role_summary(evals) == {
+        "role/p/accuracy_after_sft": 0.2,
+        "role/p/accuracy_after_rl_last3_mean": pytest.approx(0.6),
+    }
+    assert role_summary([{"eval/accuracy": 0.5}]) == {}
