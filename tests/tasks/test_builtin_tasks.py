@@ -24,6 +24,7 @@ def test_registry():
         "gsm8k",
         "humaneval",
         "shapes",
+        "proposer_checker",
     }
     for name, spec in TASKS.items():
         assert isinstance(spec, TaskSpec) and spec.name == name and spec.description
@@ -31,11 +32,11 @@ def test_registry():
     assert get_task("arithmetic").reward == "exact_match"
     with pytest.raises(ValueError) as e:
         get_task("arithmetc")
-    assert (
-        "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'humaneval', 'shapes']"
-        in str(e.value)
-        and "did you mean" in str(e.value)
+    valid = (
+        "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'humaneval', "
+        "'proposer_checker', 'shapes']"
     )
+    assert valid in str(e.value) and "did you mean" in str(e.value)
 
 
 # ---------------------------------------------------------------------------------- arithmetic

@@ -225,7 +225,8 @@ def demo(
     task: Annotated[
         str,
         typer.Option(
-            help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests) "
+            help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests), "
+            "proposer_checker (two roles, multi-agent) "
             "or shapes (a vision-language model on PIL images)."
         ),
     ] = "arithmetic",

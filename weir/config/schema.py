@@ -462,6 +462,77 @@ class AgentConfig(Section):
     """gamma in env_return = sum_t gamma^t r_t over the environment's per-step rewards."""
 
 
+class RoleConfig(Section):
+    """One role of a multi-agent episode."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+    """The role's name: it prefixes the role's turns in the other roles' views (`name: text`) and
+    names its metrics (`reward/<name>/mean`)."""
+    prompt: str | None = None
+    """The role prompt, the system message of this role's view (null: data.system_prompt)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Most tokens of one turn of this role (null: rollout.max_new_tokens)."""
+
+
+class MultiAgentConfig(Section):
+    """Multi-agent episodes (`rollout.function: weir.rollout.multi_agent:rollout`): roles act in
+    turn, each role's tokens trained with its own advantages; see docs/multi-agent.md."""
+
+    roles: list[RoleConfig] = Field(default_factory=list)
+    """The roles, each `{name, prompt, max_new_tokens}`: `name` labels its turns to the others
+    (`name: text`) and its metrics; `prompt` is its role prompt (system message; null:
+    data.system_prompt); `max_new_tokens` caps one of its turns (null: rollout.max_new_tokens).
+    E.g. `[{name: proposer, prompt: propose the sum}, {name: checker, prompt: check it}]`."""
+    turns: list[str] | None = None
+    """Who acts when, by role name, e.g. `[debater_a, debater_b, debater_a, debater_b, judge]`
+    (null: each role once, in the order of `roles`)."""
+    scorer: str | None = None
+    """Dotted path to `fn(episode, row) -> float | {"team": float, "<role>": float, ...}` (sync or
+    async). null: the team reward is the reward function on the last turn, and there are no
+    per-role rewards."""
+    scorer_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the scorer."""
+    credit: Literal["team", "role", "mixed"] = "team"
+    """What each role's samples are trained on: the team's outcome (`team`), the role's own reward
+    (`role`), or `team_weight * team + (1 - team_weight) * role` (`mixed`)."""
+    team_weight: float = Field(0.5, ge=0.0, le=1.0)
+    """The team reward's weight w under credit=mixed."""
+    policies: Literal["shared", "separate"] = "shared"
+    """`shared`: one policy plays every role, told apart by its role prompt. `separate` (a trainer
+    and an engine per role) is refused: not implemented yet."""
+    max_tokens: int = Field(256, ge=1)
+    """Most response tokens of one role's view of an episode (its turns and the other roles' turns
+    shown to it); also Dr.GRPO's constant normaliser for multi-agent runs."""
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> MultiAgentConfig:
+        names = [r.name for r in self.roles]
+        if "team" in names:
+            raise ValueError(
+                "multi_agent.roles: 'team' names the team's reward (reward/team/mean); rename the role"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"multi_agent.roles: role names must be distinct, got {names}")
+        unknown = sorted(set(self.turns or []) - set(names))
+        if unknown:
+            raise ValueError(
+                f"multi_agent.turns names {unknown}, which are not in multi_agent.roles {names}"
+            )
+        if self.turns is not None and not self.turns:
+            raise ValueError("multi_agent.turns is empty: list who acts when, or leave it null")
+        if self.policies == "separate":
+            raise ValueError(
+                "multi_agent.policies=separate (a trainer and an engine per role) is not implemented "
+                "yet; use multi_agent.policies=shared (one policy, told apart by role prompts)"
+            )
+        if self.credit != "team" and self.scorer is None:
+            raise ValueError(
+                f"multi_agent.credit={self.credit} needs per-role rewards: set multi_agent.scorer "
+                "to a function returning {'team': ..., '<role>': ...}, or use credit=team"
+            )
+        return self
+
+
 class SandboxConfig(Section):
     """Where programs from responses run (code rewards, the `python` tool); see docs/code.md."""
 
@@ -597,6 +668,7 @@ class Config(Section):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    multi_agent: MultiAgentConfig = Field(default_factory=MultiAgentConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -664,6 +736,7 @@ class Config(Section):
                 "lora.enabled runs on cluster.type=local only (weir's FSDP2 trainer ranks do not "
                 "wrap peft adapters): set cluster.type=local or lora.enabled=false"
             )
+        self._check_multi_agent()
         return self
 
     def _warn_behavior_logprobs(self) -> None:
@@ -678,6 +751,27 @@ class Config(Section):
                 "set algo.behavior_logprobs=sampled",
                 UserWarning,
                 stacklevel=2,
+            )
+
+    def _check_multi_agent(self) -> None:
+        """multi_agent.roles and the multi-agent rollout function go together; Ray is refused."""
+        ma, fn = self.multi_agent, self.rollout.function
+        if fn == "weir.rollout.multi_agent:rollout" and not ma.roles:
+            raise ValueError(
+                "rollout.function=weir.rollout.multi_agent:rollout needs multi_agent.roles "
+                "(e.g. [{name: proposer}, {name: checker}])"
+            )
+        if ma.roles and fn in (
+            "weir.rollout.single_turn:rollout",
+            "weir.rollout.multi_turn:rollout",
+        ):
+            raise ValueError(
+                f"multi_agent.roles is set but rollout.function={fn} ignores it; set "
+                "rollout.function=weir.rollout.multi_agent:rollout"
+            )
+        if ma.roles and self.cluster.type == "ray":
+            raise ValueError(
+                "multi-agent episodes are not supported on cluster.type=ray yet; use cluster.type=local"
             )
 
     def _migrate_model_dtype(self) -> None:

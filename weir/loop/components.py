@@ -28,6 +28,7 @@ from weir.loop.engine_memory import check_kv_budget
 from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
 from weir.rollout.combine import check_reward
+from weir.rollout.multi_agent import multi_agent_extras
 from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
 from weir.rollout.single_turn import RolloutContext
@@ -182,7 +183,7 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
     spec = (
         reward or cfg.reward.function or (get_task(cfg.data.task).reward if cfg.data.task else None)
     )
-    if spec is None and cfg.agent.reward == "env":
+    if spec is None and (cfg.agent.reward == "env" or cfg.multi_agent.scorer is not None):
         return _no_task_reward
     if spec is None:
         raise ValueError(
@@ -280,7 +281,7 @@ def make_contexts(
         encode_vision=encode.encode if encode.takes_images else None,
         placeholder_ids=placeholders,
         reward_timeout_s=cfg.reward.timeout_s,
-        extras=agent_extras(cfg),
+        extras={**agent_extras(cfg), **multi_agent_extras(cfg)},
     )
     eval_ctx = train_ctx.with_sampling(
         n=e.n,

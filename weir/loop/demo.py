@@ -1,6 +1,7 @@
 """`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
 
 `--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
+`proposer_checker` (two roles learning together, docs/multi-agent.md),
 `code` (functions written from a spec, rewarded by hidden tests run in the sandbox) or `shapes` (a
 tiny Qwen2.5-VL counts shapes and names their colour in PIL images).
 """
@@ -68,6 +69,7 @@ def run_demo(
         "total_seconds": total,
         "rl_steps": rl_cfg.run.steps,
     }
+    summary.update(role_summary(result.evals))
     calls = [h["agent/tool_calls_mean"] for h in result.history if "agent/tool_calls_mean" in h]
     if calls:  # a tool-using agent: how often it called a tool per episode, first and last steps
         summary["tool_calls_per_episode_first3"] = sum(calls[:3]) / len(calls[:3])
@@ -83,6 +85,13 @@ def run_demo(
         f"{summary['accuracy_after_rl_last3_mean']:.1%}",
         f"{(total - t_sft) / 60:.1f}",
     )
+    for role in sorted({k.split("/")[1] for k in summary if k.startswith("role/")}):
+        table.add_row(
+            f"  {role} (own reward), SFT -> RL",
+            f"{summary[f'role/{role}/accuracy_after_sft']:.1%} -> "
+            f"{summary[f'role/{role}/accuracy_after_rl_last3_mean']:.1%}",
+            "",
+        )
     console.print(table)
     if calls:
         console.print(
@@ -101,3 +110,16 @@ def run_demo(
     except Exception as err:  # the demo's result stands without its report
         console.print(f"[yellow]no report: {type(err).__name__}: {err}[/yellow]")
     return summary
+
+
+def role_summary(evals: list[dict[str, float]]) -> dict[str, float]:
+    """Multi-agent demos: each role's held-out accuracy (``eval/<role>/accuracy``) after SFT and
+    after RL (mean of the last three evaluations)."""
+    out: dict[str, float] = {}
+    for key in evals[0]:
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == "accuracy":
+            last = [e[key] for e in evals[-3:] if key in e]
+            out[f"role/{parts[1]}/accuracy_after_sft"] = evals[0][key]
+            out[f"role/{parts[1]}/accuracy_after_rl_last3_mean"] = sum(last) / len(last)
+    return out

@@ -11,6 +11,7 @@ from typing import Any
 
 from weir.data.prompts import BadRow, DataError, PromptTooLong
 from weir.data.sample import Group, Sample, Status
+from weir.rollout.roles import role_metrics
 from weir.rollout.single_turn import RolloutContext
 from weir.telemetry.timeline import span
 
@@ -150,6 +151,7 @@ def summarize(groups: list[Group]) -> dict[str, float]:
     for k, vs in extra.items():
         out[k] = sum(vs)
         out[f"{k}_mean"] = statistics.fmean(vs)
+    out.update(role_metrics(samples))  # multi-agent episodes: reward/<role>/mean, ...
     return out
 
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 from weir.rollout.collect import collect_groups
+from weir.rollout.roles import episode_rewards, role_of
 from weir.rollout.single_turn import RolloutContext
 
 
@@ -27,7 +28,9 @@ def evaluate(
     n = ctx.sampling.n
     rewards, per_prompt = [], []
     for g in groups:
-        rs = [s.reward if s.reward is not None else 0.0 for s in g.samples]
+        rs = episode_rewards(g)  # multi-agent: one (team) reward per episode
+        if rs is None:
+            rs = [s.reward if s.reward is not None else 0.0 for s in g.samples]
         rs += [0.0] * (n - len(rs))  # a failed group holds one sample: the rest count as failures
         rewards.extend(rs)
         per_prompt.append(sum(r >= correct_at for r in rs))
@@ -39,6 +42,7 @@ def evaluate(
         "eval/response_length": gen["response/length_mean"],
         "eval/time": gen["time/generate"],
     }
+    metrics.update(_role_accuracy(groups, correct_at))
     k = 1
     while k <= n:
         metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / max(
@@ -46,3 +50,17 @@ def evaluate(
         )
         k *= 2
     return metrics, groups
+
+
+def _role_accuracy(groups: list, correct_at: float) -> dict[str, float]:
+    """Multi-agent: ``eval/<role>/accuracy``, the fraction of a role's samples whose own reward
+    (the scorer's, else the credited one) is >= `correct_at`; failed samples count as wrong."""
+    hits: dict[str, list[bool]] = {}
+    for g in groups:
+        for s in g.samples:
+            role = role_of(s)
+            if role is None:
+                continue
+            r = s.reward_info.get("role_reward", s.reward)
+            hits.setdefault(role, []).append(r is not None and r >= correct_at)
+    return {f"eval/{role}/accuracy": sum(h) / len(h) for role, h in hits.items()}

@@ -12,7 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weir.tasks import arithmetic, calculator, code, countdown, gsm8k, humaneval, shapes
+from weir.tasks import (
+    arithmetic,
+    calculator,
+    code,
+    countdown,
+    gsm8k,
+    humaneval,
+    proposer_checker,
+    shapes,
+)
 
 __all__ = ["TaskSpec", "TASKS", "get_task"]
 
@@ -41,7 +50,7 @@ TASKS: dict[str, TaskSpec] = {
         reward=m.REWARD,
         description=m.DESCRIPTION,
     )
-    for m in (arithmetic, countdown, gsm8k, calculator, code, humaneval, shapes)
+    for m in (arithmetic, countdown, gsm8k, calculator, code, humaneval, proposer_checker, shapes)
 }
 
 

@@ -56,12 +56,15 @@ class ActorSettings:
     @classmethod
     def from_config(cls, cfg: Config) -> ActorSettings:
         multi_turn = cfg.agent.env is not None or "multi_turn" in cfg.rollout.function
+        longest = cfg.agent.max_tokens if multi_turn else cfg.rollout.max_new_tokens
+        if cfg.multi_agent.roles:  # one role's view: its turns and the others' shown to it
+            longest = cfg.multi_agent.max_tokens
         return cls(
             train=cfg.train,
             algo=cfg.algo,
             temperature=cfg.rollout.temperature or 1.0,
             total_steps=max(1, _policy_steps(cfg) * cfg.train.mini_batches * cfg.train.epochs),
-            max_response_tokens=cfg.agent.max_tokens if multi_turn else cfg.rollout.max_new_tokens,
+            max_response_tokens=longest,
         )
 
 

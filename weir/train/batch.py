@@ -102,7 +102,7 @@ def make_batch(groups: list[Group], *, version: int) -> TrainBatch | None:
         rollout_logprobs=_pad([s.rollout_logprobs for s in kept], width, 0.0, torch.float32),
         versions=versions,
         rewards=torch.tensor([s.reward for s in kept], dtype=torch.float32),
-        group_ids=torch.tensor([s.group_id for s in kept], dtype=torch.long),
+        group_ids=advantage_groups(kept),
         metrics=metrics,
         behavior_logprobs=_pad(
             [
@@ -116,6 +116,17 @@ def make_batch(groups: list[Group], *, version: int) -> TrainBatch | None:
         if any(s.behavior_logprobs is not None for s in kept)
         else None,
     )
+
+
+def advantage_groups(samples: list[Sample]) -> torch.Tensor:
+    """The group id of each sample for group-relative advantages: its `group_id`, or, for the role
+    views of a multi-agent episode, one group per (group_id, role), so each role gets its own
+    baseline (GRPO's mean and std are taken over that role's samples of the prompt only)."""
+    keys = [(s.group_id, s.metadata.get("role")) for s in samples]
+    if all(role is None for _, role in keys):
+        return torch.tensor([g for g, _ in keys], dtype=torch.long)
+    ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return torch.tensor([ids[k] for k in keys], dtype=torch.long)
 
 
 def staleness_histogram(behind: torch.Tensor) -> dict[str, float]:
