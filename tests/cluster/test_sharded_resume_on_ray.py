@@ -65,13 +65,13 @@ def test_rank_killed_mid_run_resumes_to_the_same_metrics(ray_local, tmp_path, mo
     train = TrainerGroup.train
     calls = []
 
-    def kill_rank1_at_step3(self, batch):
+    def kill_rank1_at_step3(self, batch, **kwargs):
         calls.append(1)
         if len(calls) == STEPS:  # after the checkpoint of the step before, as this one trains
             import ray
 
             os.kill(ray.get(self.ranks[1].pid.remote()), signal.SIGKILL)
-        return train(self, batch)
+        return train(self, batch, **kwargs)
 
     monkeypatch.setattr(TrainerGroup, "train", kill_rank1_at_step3)
     with pytest.raises(TrainerFailed, match="trainer rank 1 died"):

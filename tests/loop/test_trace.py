@@ -19,8 +19,11 @@ SMALL = {
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_trace_has_a_span_for_every_phase(tmp_path, mode):
+    # a reference model (its log-probs get a span) and rewards with spread (so rows have gradients)
     result = weir.run(
-        {**SMALL, "loop": {"mode": mode}}, [f"run.dir={tmp_path}", "algo.old_logprobs=recompute"]
+        {**SMALL, "loop": {"mode": mode}},
+        [f"run.dir={tmp_path}", "algo.old_logprobs=recompute", "algo.kl.coef=0.01"],
+        reward=lambda sample, row: 1.0 if sample.index == 0 else 0.0,
     )
     trace = json.loads((result.dir / "trace.json").read_text())
     events = trace["traceEvents"]

@@ -17,6 +17,12 @@ SHORT = {
 }
 
 
+def spread_reward(sample, row) -> float:
+    """1 for each prompt's first sample, else 0: every group has advantages to train on (an
+    untrained model's all-zero rewards give none, and the step then skips the backward pass)."""
+    return 1.0 if sample.index == 0 else 0.0
+
+
 @pytest.fixture(scope="session")
 def sync_run(tmp_path_factory):
     """Sync loop with a KL-to-reference term and a rollout correction, so their metrics appear."""
@@ -24,6 +30,7 @@ def sync_run(tmp_path_factory):
     return weir.run(
         SHORT,
         [f"run.dir={d}", "algo.kl.coef=0.01", "algo.correction.mode=token_tis"],
+        reward=spread_reward,
     )
 
 
@@ -34,4 +41,5 @@ def async_run(tmp_path_factory):
     return weir.run(
         {**SHORT, "loop": {"mode": "async", "on_weight_update": "mask_stale"}},
         [f"run.dir={d}", "algo.kl.coef=0.01", "algo.kl.as_reward=true"],
+        reward=spread_reward,
     )
