@@ -58,8 +58,9 @@ protocol and ``*_sync`` forms for plain threads; they must not be called from th
 
 Modules
 -------
-This module holds the engine's thread, admission and sampling. The running batch and its KV slabs are
-in `weir.engine.slabs`, requests and their futures in `weir.engine.requests`, the random streams in
+This module holds the engine's thread, control and decode step. Admission (prefill, retirement) is in
+`weir.engine.admission`, sampling in `weir.engine.sampler`, the running batch and its KV slabs in
+`weir.engine.slabs`, requests and their futures in `weir.engine.requests`, the random streams in
 `weir.engine.streams`, the KV budget in `weir.engine.kv_budget`, sleep/wake in `weir.engine.memory`,
 and per-layer-type attention masks in `weir.engine.masks`.
 """
@@ -84,6 +85,7 @@ from transformers import PreTrainedModel
 
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
+from weir.engine.admission import Admission
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.kv_budget import (
     GB,
@@ -96,10 +98,9 @@ from weir.engine.kv_budget import (
 )
 from weir.engine.masks import layer_masks
 from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
-from weir.engine.prefix_cache import PrefixCache, PrefixEntry, fill_past
-from weir.engine.requests import Request, expand_versions, set_exception
-from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, RunningBatch, SlabCache
-from weir.engine.streams import sample_key, stream_uniform
+from weir.engine.prefix_cache import PrefixCache
+from weir.engine.requests import Request, set_exception
+from weir.engine.slabs import RunningBatch, SlabCache
 from weir.engine.support import model_support
 from weir.telemetry.timeline import span
 
@@ -119,7 +120,7 @@ def _close_live_engines() -> None:
         engine.close(timeout=2.0)
 
 
-class TorchEngine:
+class TorchEngine(Admission):
     """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
 
     Args:
@@ -795,361 +796,6 @@ class TorchEngine:
         )
         cache.geo.length += ids.shape[1]
         return out.logits[:, -1, :].float()
-
-    def _admit(self, reqs: list[Request]) -> None:
-        """Prefill and join `reqs`: those that continue a cached conversation (`_take_prefixes`) in
-        one forward over what is new, the others in one forward over their whole prompts."""
-        self._stats["admitted"] += len(reqs)
-        past = self._take_prefixes(reqs)
-        if not past:
-            self._admit_group(reqs, None)
-            return
-        misses = [r for r in reqs if r not in past]
-        if misses:
-            self._admit_group(misses, None)
-        hits = [r for r in reqs if r in past]
-        self._admit_group(hits, [past[r] for r in hits])
-
-    def _take_prefixes(self, reqs: list[Request]) -> dict[Request, PrefixEntry]:
-        pc = self._prefix
-        if pc is None or not len(pc):
-            return {}
-        found = {}
-        # any request may continue a kept conversation; only keep_kv ones keep theirs
-        for r in reqs:
-            entry = pc.take(r.prompt, self.version)
-            if entry is not None:
-                found[r] = entry
-        return found
-
-    def _admit_group(self, reqs: list[Request], past: list[PrefixEntry] | None) -> None:
-        try:
-            staged = self._prefill(reqs, past)
-        except Exception as exc:
-            if len(reqs) == 1:
-                set_exception(reqs[0].future, exc)
-                return
-            # Isolate the faulty request(s): prefill one by one.
-            for i, req in enumerate(reqs):
-                self._admit_group([req], None if past is None else [past[i]])
-            return
-        if staged is not None:
-            try:
-                self._batch.join(*staged)
-            except Exception as exc:  # the running batch may be inconsistent: fail it too
-                for req in reqs:
-                    set_exception(req.future, exc)
-                raise
-
-    def _prefill_forward(
-        self,
-        seqs: list[list[int]],
-        cache: SlabCache,
-        width: int | None = None,
-        visions: list[VisionInputs | None] | None = None,
-        past: list[PrefixEntry] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """One forward over `seqs` right-aligned in `width` columns (default: the longest), filling
-        `cache`. Returns the last position's logits, each sequence's first real column and its
-        position offset (a vision-language model's rope delta, `weir.data.vision_model`; else 0).
-
-        With `past` (one cached prefix per sequence) only the last ``q = max(len(seq) - len(prefix))``
-        columns are computed: the columns before them are copied from the prefixes, which cover them
-        since every prefix is at least ``len(seq) - q`` long (`fill_past`). Without, ``q = width``.
-        A vision-language model never has `past` (its prompts' KV holds the image)."""
-        dev = self._device
-        lens = [len(x) for x in seqs]
-        width = width or max(lens)
-        q = width if past is None else max(n - e.length for n, e in zip(lens, past, strict=True))
-        pad = self.pad_token_id
-        ids = torch.tensor([[pad] * max(0, q - len(x)) + x[max(0, len(x) - q) :] for x in seqs])
-        ids = ids.to(dev)
-        start = torch.tensor([width - n for n in lens], device=dev)
-        if past is not None:
-            fill_past(cache, past, lens, width, q)
-        col = self._col[:width]
-        qcol = col[width - q :]
-        # Causal, not attending to left padding; a padding query attends to itself so that no row of
-        # the mask is empty (keeps the padding positions finite).
-        mask = (col[None, None, :] <= qcol[None, :, None]) & (
-            col[None, None, :] >= start[:, None, None]
-        )
-        mask |= col[None, None, :] == qcol[None, :, None]
-        pos = (qcol[None, :] - start[:, None]).clamp_(min=0)
-        deltas, pixels = [0] * len(seqs), {}
-        if self._vision is not None:
-            assert past is None, "no prefix reuse with pixel inputs"
-            visions = visions or [None] * len(seqs)
-            pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
-            pos = pixels.pop("position_ids")
-        logits = self._forward(ids, mask[:, None], pos, cache, **pixels)
-        return logits, start, deltas
-
-    def _recompute_kv(self) -> None:
-        """Rebuild the running rows' KV cache under the current weights (after a weight update), so
-        that the tokens sampled from now on are exactly those of the new policy given the context."""
-        b = self._batch
-        ngen = b.ngen.tolist()
-        toks = b.out_tok_v.tolist()
-        # The cache holds prompt + generated[:-1]; the last generated token is the next input.
-        seqs = [b.reqs[r].prompt + toks[r][: ngen[r] - 1] for r in range(b.n)]
-        visions = [b.reqs[r].vision for r in range(b.n)]
-        width = max(len(x) for x in seqs)
-        cols = width + b.remaining() + 1
-        chunk = max(1, self.max_prefill_tokens // width)
-        if chunk >= b.n:
-            cache = SlabCache(self._num_layers, Geometry(b.n), cols)
-            _, start, _ = self._prefill_forward(seqs, cache, visions=visions)
-        else:  # several forwards, each padded to the common width, copied into one cache
-            cache, starts = None, []
-            for lo in range(0, b.n, chunk):
-                hi = min(lo + chunk, b.n)
-                part = SlabCache(self._num_layers, Geometry(hi - lo), width)
-                _, part_start, _ = self._prefill_forward(seqs[lo:hi], part, width, visions[lo:hi])
-                if cache is None:
-                    cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
-                    for layer, src in zip(cache.layers, part.layers, strict=True):
-                        layer.lazy_initialization(
-                            src.keys.new_empty(b.n, *src.keys.shape[1:]),
-                            src.values.new_empty(b.n, *src.values.shape[1:]),
-                        )
-                for layer, src in zip(cache.layers, part.layers, strict=True):
-                    layer.keys[lo:hi, :, :width].copy_(src.keys[:, :, :width])
-                    layer.values[lo:hi, :, :width].copy_(src.values[:, :, :width])
-                starts.append(part_start)
-            start = torch.cat(starts)
-        b.cache, b.geo = cache, cache.geo
-        b.start.copy_(start)
-        self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
-
-    def _prefill(
-        self, reqs: list[Request], past: list[PrefixEntry] | None = None
-    ) -> tuple[Rows, SlabCache, torch.Tensor] | None:
-        """Prefill the prompts of `reqs` (each once; with `past`, only what follows their cached
-        prefixes), sample every sample's first token and retire the samples that already finished.
-        Returns the other rows, the prompts' cache and, for each row, its prompt's row in that cache
-        (None when every sample finished)."""
-        dev = self._device
-        lens = [len(r.prompt) for r in reqs]
-        width = max(lens)
-        cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
-        logits, _, deltas = self._prefill_forward(
-            [r.prompt for r in reqs], cache, visions=[r.vision for r in reqs], past=past
-        )
-        computed = sum(lens)
-        if past is not None:
-            q = max(n - e.length for n, e in zip(lens, past, strict=True))
-            computed = sum(min(n, q) for n in lens)
-            self._prefix.stats["reused_tokens"] += sum(lens) - computed
-        self._stats["prefill_tokens"] += computed
-
-        # One row per sample: a prompt's cache and logits are shared by its n samples.
-        ns = [r.params.n for r in reqs]
-        owner = torch.repeat_interleave(
-            torch.arange(len(reqs), device=dev), torch.tensor(ns, device=dev)
-        )
-        row_reqs = [r for r, n in zip(reqs, ns, strict=True) for _ in range(n)]
-        sample_idx = [i for n in ns for i in range(n)]
-        ints_rows, float_rows, stop_rows = [], [], []
-        for r, delta in zip(reqs, deltas, strict=True):
-            p = r.params
-            topk = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
-            r.filtered = not r.greedy and (topk < self.vocab_size or p.top_p < 1.0)
-            maxnew = min(p.max_new_tokens, self.max_seq_len - len(r.prompt))
-            pos = len(r.prompt) + delta  # the first generated token's position
-            row = [0, pos, width - len(r.prompt), 0, maxnew, topk, 0, int(r.filtered)]
-            frow = [1.0 if r.greedy else 1.0 / p.temperature, p.top_p]
-            stops = self.eos_token_ids + self._placeholders + [int(t) for t in p.stop_token_ids]
-            for i in range(p.n):
-                row[I_KEY] = sample_key(r.seed, i)
-                ints_rows.append(list(row))
-                float_rows.append(frow)
-                stop_rows.append(stops)
-        width_s = max(len(s) for s in stop_rows)
-        stop_rows = [s + [-1] * (width_s - len(s)) for s in stop_rows]
-        cap = max(row[I_MAXNEW] for row in ints_rows)
-        nrows = len(row_reqs)
-        inc = Rows(
-            torch.tensor(ints_rows, dtype=torch.long, device=dev),
-            torch.tensor(float_rows, dtype=torch.float32, device=dev),
-            torch.tensor(stop_rows, dtype=torch.long, device=dev),
-            torch.zeros(nrows, cap, dtype=torch.long, device=dev),
-            torch.zeros(nrows, cap, dtype=torch.float32, device=dev),
-            torch.zeros(nrows, cap, dtype=torch.float32, device=dev),
-            row_reqs,
-            sample_idx,
-            [[(0, self.version)] for _ in range(nrows)],
-        )
-        self._sample_and_record(inc, logits.index_select(0, owner))
-        if self._prefix is not None:  # samples whose first token is a stop token
-            stopped = (inc.stops_v == inc.tok.unsqueeze(1)).any(1).nonzero().squeeze(1).tolist()
-            if stopped:
-                self._keep_prefixes(inc, stopped, cache, owner.tolist())
-        done = self._retire_done(inc)
-        if done is not None:
-            finished = set(done)
-            keep = [i for i in range(nrows) if i not in finished]
-            if not keep:
-                return None
-            k = torch.tensor(keep, device=dev)
-            inc = Rows(
-                inc.ints.index_select(0, k),
-                inc.floats.index_select(0, k),
-                inc.stops.index_select(0, k),
-                inc.out_tok.index_select(0, k),
-                inc.out_lp.index_select(0, k),
-                inc.out_lz.index_select(0, k),
-                [row_reqs[i] for i in keep],
-                [sample_idx[i] for i in keep],
-                [inc.vchanges[i] for i in keep],
-            )
-            owner = owner.index_select(0, k)
-        return inc, cache, owner
-
-    def _sample_and_record(self, b: Rows, logits: torch.Tensor) -> None:
-        """Draw the next token of every live row of `b` from `logits`; record it, its log-prob and
-        (top-k/top-p rows) the log of the probability mass the filters kept."""
-        ngen = b.ngen
-        tok, lp, lz = self._sample(b, logits)
-        idx = ngen.unsqueeze(1)
-        b.out_tok_v.scatter_(1, idx, tok.unsqueeze(1))
-        b.out_lp_v.scatter_(1, idx, lp.unsqueeze(1))
-        if lz is not None:
-            b.out_lz_v.scatter_(1, idx, lz.unsqueeze(1))
-        b.tok.copy_(tok)
-        ngen += 1
-        self._stats["generated_tokens"] += b.n
-
-    def _sample(
-        self, b: Rows, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Tokens, their full-vocabulary log-probs ``log_softmax(logits / T)[tok]`` and, when some
-        row is filtered, the log of the mass top-k/top-p kept per row (0 for unfiltered rows)."""
-        if b.all_greedy:
-            tok = logits.argmax(1)
-            lse = torch.logsumexp(logits, 1)
-            return tok, logits.gather(1, tok.unsqueeze(1)).squeeze(1).sub_(lse), None
-        scaled = logits.mul_(b.inv_t.unsqueeze(1))
-        lse = torch.logsumexp(scaled, 1, keepdim=True)
-        u = stream_uniform(b.key, b.ngen)
-        cdf = (scaled - lse).exp_().cumsum_(1)
-        tok = torch.searchsorted(cdf, u.unsqueeze(1).mul_(cdf[:, -1:])).squeeze(1)
-        tok.clamp_(max=self.vocab_size - 1)
-        lz = None
-        if b.filt_idx is not None:
-            f = b.filt_idx
-            lz = torch.zeros_like(u)
-            tok[f], lz[f] = self._sample_filtered(
-                scaled.index_select(0, f),
-                lse.index_select(0, f),
-                u.index_select(0, f),
-                b.top_k.index_select(0, f),
-                b.top_p.index_select(0, f),
-            )
-        if b.greedy_idx is not None:
-            g = b.greedy_idx
-            tok[g] = scaled.index_select(0, g).argmax(1)  # inv_t is 1 for greedy rows
-        lp = scaled.gather(1, tok.unsqueeze(1)).sub_(lse).squeeze(1)
-        return tok, lp, lz
-
-    def _sample_filtered(
-        self,
-        scaled: torch.Tensor,
-        lse: torch.Tensor,
-        u: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens drawn from the top-k / top-p truncated, renormalised distribution, and the log
-        of the probability mass the truncation kept, ``log sum_{v in kept} p_v``."""
-        values, order = scaled.sort(dim=1, descending=True, stable=True)
-        probs = (values - lse).exp_()
-        probs.mul_(self._vocab_col.unsqueeze(0) < top_k.unsqueeze(1))  # top-k
-        cum = probs.cumsum(1)
-        # top-p on the (renormalised) top-k mass: keep a token while the mass before it is < p.
-        probs.mul_((cum - probs) < top_p.unsqueeze(1) * cum[:, -1:])
-        cdf = probs.cumsum_(1)
-        j = torch.searchsorted(cdf, u.unsqueeze(1).mul_(cdf[:, -1:]))
-        j.clamp_(max=self.vocab_size - 1)
-        return order.gather(1, j).squeeze(1), cdf[:, -1].log()
-
-    def _retire_done(self, b: Rows) -> list[int] | None:
-        """Complete the rows that just finished; return them (sorted), or None when none did."""
-        hit = (b.stops_v == b.tok.unsqueeze(1)).any(1)
-        done = hit | (b.ngen >= b.maxnew)
-        if not bool(done.any()):
-            return None
-        rows = done.nonzero().squeeze(1).tolist()
-        hits = hit.tolist()
-        if self._prefix is not None and b is self._batch:
-            self._keep_prefixes(b, [r for r in rows if hits[r]], b.cache)
-        self._complete(b, rows, ["stop" if hits[i] else "length" for i in rows])
-        return rows
-
-    def _keep_prefixes(
-        self, b: Rows, rows: list[int], cache: SlabCache, owner: list[int] | None = None
-    ) -> None:
-        """Copy the KV of the finished ``keep_kv`` rows in `rows` into the prefix cache: prompt +
-        tokens generated but the last (sampled, never fed back), all under the current weights.
-        Row ``r`` of `b` has its KV in row ``owner[r]`` of `cache` (default: row ``r``), in the
-        columns from its start to the end of the used ones."""
-        rows = [
-            r
-            for r in rows
-            if b.reqs[r].params.keep_kv
-            and (len(b.vchanges[r]) == 1 or self._recompute_kv_on_update)
-            and b.vchanges[r][-1][1] == self.version
-        ]
-        if not rows:
-            return
-        geo, kv = cache.geo, self._kv
-        # Leave room for the scratch slab that moving rows into the finished rows' slots takes.
-        scratch = self._batch.slab_bytes() // kv.tensors
-        budget = None if kv.budget is None else kv.budget - scratch
-        starts, ngens = b.start.tolist(), b.ngen.tolist()
-        for r in rows:
-            g = ngens[r]
-            ids = b.reqs[r].prompt + b.out_tok[r, : g - 1].tolist()
-            lo, hi = geo.c0 + starts[r], geo.c0 + geo.length
-            if hi - lo != len(ids):  # not the layout this copy assumes: keep nothing
-                continue
-            row = r if owner is None else owner[r]
-            self._prefix.store(
-                ids,
-                [layer.keys[row, :, lo:hi] for layer in cache.layers],
-                [layer.values[row, :, lo:hi] for layer in cache.layers],
-                self.version,
-                budget,
-            )
-
-    def _evict_prefixes_for(self, reqs: list[Request]) -> bool:
-        """Evict cached prefixes, oldest first, until `reqs` fit the KV budget; whether they do."""
-        pc = self._prefix
-        while pc is not None and pc.evict_one():
-            if self._kv_fits(reqs):
-                return True
-        return False
-
-    def _drop_prefixes(self) -> None:
-        if self._prefix is not None:
-            self._prefix.clear()
-
-    def _complete(self, b: Rows, rows: list[int], reasons: list[str]) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self._device)
-        ngens = b.ngen.index_select(0, idx).tolist()
-        toks = b.out_tok_v.index_select(0, idx).tolist()
-        lps = b.out_lp_v.index_select(0, idx).tolist()
-        lzs = b.out_lz_v.index_select(0, idx).tolist() if b.n_filtered else None
-        for j, r in enumerate(rows):
-            g = ngens[j]
-            comp = Completion(
-                toks[j][:g], lps[j][:g], expand_versions(b.vchanges[r], g), reasons[j]
-            )
-            if lzs is not None and b.reqs[r].filtered:
-                comp.sampled_logprobs = [
-                    lp - lz for lp, lz in zip(lps[j][:g], lzs[j][:g], strict=True)
-                ]
-            b.reqs[r].finish_sample(b.sample_idx[r], comp)
 
     def _decode_step(self) -> None:
         b = self._batch

@@ -8,14 +8,10 @@ the gradient does not depend on how it was split into micro-batches.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import math
 import time
-import warnings
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,9 +22,11 @@ from weir.config import Config
 from weir.config.schema import AlgoConfig, TrainConfig
 from weir.telemetry.timeline import span
 from weir.train.batch import TrainBatch
+from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import choose_layout, micro_batches, response_logprobs
 from weir.train.precision import Precision
+from weir.train.step_checks import drop_nonfinite, finite_forward, mismatch, warn_over_max_len
 
 if TYPE_CHECKING:
     from weir.train.critic import Critic
@@ -300,7 +298,7 @@ class Actor:
         else:
             old = batch.rollout_logprobs
         ref = self.logprobs(self.ref, batch) if self.ref is not None else None
-        batch, old, ref, dropped = self._drop_nonfinite(batch, old, ref)
+        batch, old, ref, dropped = drop_nonfinite(batch, old, ref)
         mask = batch.response_mask
         stats["train/nonfinite_logprob_samples"] = float(dropped)
         if not mask.any():  # every sample had a non-finite log-prob: skip the step, counted
@@ -311,11 +309,12 @@ class Actor:
                 "time/train": time.perf_counter() - start,
             }
         if self.needs_recompute and not fused:
-            stats.update(self._mismatch(old, batch))
+            stats.update(mismatch(old, batch))
         elif self.tcfg.mini_batches > 1:
             # later mini-batches are trained after earlier updates; measure every row before any
-            stats.update(self._mismatch(self.logprobs(self.model, batch), batch))
-        self._check_max_len(mask)
+            stats.update(mismatch(self.logprobs(self.model, batch), batch))
+        if self.acfg.loss_agg == "seq-mean-token-sum-norm" and not self._warned_max_len:
+            self._warned_max_len = warn_over_max_len(mask, self.max_len)
         token_rewards, weights = None, None
         if ref is not None:
             kind = self.acfg.kl.estimator
@@ -478,12 +477,12 @@ class Actor:
                     visions=[vis[i] for i in idx],
                 )
             m = mask[idx]
-            if old is None and not self._finite_forward(out, m):
+            if old is None and not finite_forward(out, m):
                 raise _NonFiniteOld
             old_mb = out.logprobs.detach() if old is None else old[idx]
-            if not grad and not self._finite_forward(out, m):
+            if not grad and not finite_forward(out, m):
                 continue  # no gradient from these rows: an overflow in them cannot reach it
-            if not self._finite_forward(out, m):
+            if not finite_forward(out, m):
                 # an overflow in this forward: backward a NaN loss, so that the gradient norm is
                 # NaN on every rank (collectives stay in step) and `_update` skips this update
                 # and counts it in train/skipped_updates, instead of a check stopping the run
@@ -568,73 +567,6 @@ class Actor:
             return batch.sampled_logprobs
         return batch.rollout_logprobs
 
-    @staticmethod
-    def _finite_forward(out, mask: torch.Tensor) -> bool:
-        """Whether the trainer's log-probs (and entropy) are finite on every trained token."""
-        m = mask.bool()
-        ok = torch.isfinite(out.logprobs.detach())[m].all()
-        if out.entropy is not None:
-            ok &= torch.isfinite(out.entropy.detach())[m].all()
-        return bool(ok.item())
-
-    def _drop_nonfinite(
-        self, batch: TrainBatch, old: torch.Tensor | None, ref: torch.Tensor | None
-    ) -> tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None, int]:
-        """Leave out (mask) every sample with a non-finite log-prob on a trained token, from the
-        engine, the trainer or the reference; returns the cleaned batch, old and ref log-probs and
-        how many samples were left out. One bad sample costs that sample, not the run.
-        `old` None: the step takes them from its own forward (`_fused_old`), which checks them."""
-        m = batch.response_mask.bool()
-        bad = (~torch.isfinite(batch.rollout_logprobs) & m).any(1)
-        if old is not None:
-            bad |= (~torch.isfinite(old) & m).any(1)
-        if ref is not None:
-            bad |= (~torch.isfinite(ref) & m).any(1)
-        n = int(bad.sum().item())
-        if n == 0:
-            return batch, old, ref, 0
-        keep = (~bad).unsqueeze(1)
-
-        def clean(t: torch.Tensor) -> torch.Tensor:
-            return torch.where(keep & torch.isfinite(t), t, 0.0)
-
-        old_is_rollout = old is batch.rollout_logprobs
-        batch = dataclasses.replace(
-            batch,
-            response_mask=batch.response_mask * keep,
-            rollout_logprobs=clean(batch.rollout_logprobs),
-            behavior_logprobs=None
-            if batch.behavior_logprobs is None
-            else clean(batch.behavior_logprobs),
-        )
-        old = batch.rollout_logprobs if old_is_rollout else None if old is None else clean(old)
-        return batch, old, None if ref is None else clean(ref), n
-
-    def _check_max_len(self, mask: torch.Tensor) -> None:
-        """Warn once when a sample trains more tokens than the Dr.GRPO normaliser assumes."""
-        if self.acfg.loss_agg != "seq-mean-token-sum-norm" or self._warned_max_len:
-            return
-        longest = int(mask.sum(1).max().item())
-        if longest > self.max_len:
-            self._warned_max_len = True
-            warnings.warn(
-                f"algo.loss_agg=seq-mean-token-sum-norm: a sample trains {longest} tokens, more than "
-                f"the normaliser max_len={self.max_len}; set algo.loss_options.max_len to the "
-                "longest possible response",
-                stacklevel=2,
-            )
-
-    def _mismatch(self, trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
-        """How far the engine's log-probs are from the trainer's on the same tokens (before the update)."""
-        m = batch.response_mask * (batch.versions >= 0)
-        n = m.sum().clamp(min=1)
-        d = (trainer_logp - batch.rollout_logprobs) * m
-        k3 = algo.kl_penalty(batch.rollout_logprobs, trainer_logp, "k3") * m
-        return {
-            "mismatch/abs_logp_diff": (d.abs().sum() / n).item(),
-            "mismatch/kl": (k3.sum() / n).item(),
-        }
-
     def state_dict(self) -> dict:
         """Optimizer, schedule, KL coefficient and update counters: with the model weights, all a
         checkpoint needs to continue training exactly."""
@@ -661,50 +593,3 @@ class Actor:
 
 class _NonFiniteOld(Exception):
     """A fused step met a non-finite trainer log-prob: redo the step with a separate old pass."""
-
-
-def prepare_for_training(model: torch.nn.Module, *, checkpointing: bool) -> torch.nn.Module:
-    """Eval mode (dropout off: RL needs deterministic log-probs); with `checkpointing`, activation
-    checkpointing on and every dropout probability set to 0.
-
-    HF only checkpoints activations in train mode, so the trainer's gradient forward runs in train
-    mode (`grad_mode`); with every dropout at 0 (nn.Dropout modules and the attention modules'
-    `attention_dropout`) train mode computes exactly what eval mode does. Outside that forward the
-    model is in eval mode, so a colocated engine on the same module keeps its KV cache (HF drops
-    `use_cache` while checkpointing in train mode).
-    """
-    if not checkpointing:
-        return model.eval()
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(
-            f"train.gradient_checkpointing: {type(model).__name__} does not support it; "
-            "set train.gradient_checkpointing=false"
-        )
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-    config = getattr(model, "config", None)
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"):
-        if isinstance(getattr(config, key, None), float):
-            setattr(config, key, 0.0)
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model.eval()
-
-
-@contextlib.contextmanager
-def grad_mode(model: torch.nn.Module, checkpointing: bool) -> Iterator[None]:
-    """Train mode for the enclosed gradient forward/backward when checkpointing, then eval again."""
-    if not checkpointing:
-        yield
-        return
-    model.train()
-    try:
-        yield
-    finally:
-        model.eval()

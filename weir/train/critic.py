@@ -29,9 +29,9 @@ from weir import algo
 from weir.config import Config
 from weir.config.schema import CriticConfig, TrainConfig
 from weir.telemetry.timeline import span
-from weir.train.actor import grad_mode, prepare_for_training
 from weir.train.batch import TrainBatch
 from weir.train.model import load_model, resolve_model_path
+from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import Layout, choose_layout, micro_batches
 from weir.train.precision import Precision

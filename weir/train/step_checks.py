@@ -1,0 +1,92 @@
+"""Checks on a step's log-probs: non-finite values contained, engine/trainer mismatch measured, and
+the Dr.GRPO normaliser checked against the responses actually trained.
+
+A non-finite log-prob (an overflow in the engine, the trainer or the reference) costs its sample,
+never the run: `drop_nonfinite` masks the sample out and counts it; `finite_forward` tells the actor
+when its own gradient forward overflowed, so that it skips (and counts) that update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from weir import algo
+from weir.train.batch import TrainBatch
+
+__all__ = ["finite_forward", "drop_nonfinite", "mismatch", "warn_over_max_len"]
+
+
+def finite_forward(out, mask: torch.Tensor) -> bool:
+    """Whether the trainer's log-probs (and entropy) are finite on every trained token."""
+    m = mask.bool()
+    ok = torch.isfinite(out.logprobs.detach())[m].all()
+    if out.entropy is not None:
+        ok &= torch.isfinite(out.entropy.detach())[m].all()
+    return bool(ok.item())
+
+
+def drop_nonfinite(
+    batch: TrainBatch, old: torch.Tensor | None, ref: torch.Tensor | None
+) -> tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None, int]:
+    """Leave out (mask) every sample with a non-finite log-prob on a trained token, from the engine,
+    the trainer or the reference; returns the cleaned batch, old and ref log-probs and how many
+    samples were left out. `old` None: the step takes them from its own forward (the actor's fused
+    step), which checks them itself."""
+    m = batch.response_mask.bool()
+    bad = (~torch.isfinite(batch.rollout_logprobs) & m).any(1)
+    if batch.behavior_logprobs is not None:
+        bad |= (~torch.isfinite(batch.behavior_logprobs) & m).any(1)
+    if old is not None:
+        bad |= (~torch.isfinite(old) & m).any(1)
+    if ref is not None:
+        bad |= (~torch.isfinite(ref) & m).any(1)
+    n = int(bad.sum().item())
+    if n == 0:
+        return batch, old, ref, 0
+    keep = (~bad).unsqueeze(1)
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep & torch.isfinite(t), t, 0.0)
+
+    old_is_rollout = old is batch.rollout_logprobs
+    batch = dataclasses.replace(
+        batch,
+        response_mask=batch.response_mask * keep,
+        rollout_logprobs=clean(batch.rollout_logprobs),
+        behavior_logprobs=None
+        if batch.behavior_logprobs is None
+        else clean(batch.behavior_logprobs),
+    )
+    old = batch.rollout_logprobs if old_is_rollout else None if old is None else clean(old)
+    return batch, old, None if ref is None else clean(ref), n
+
+
+def mismatch(trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's on the same policy tokens (before the
+    update): mean |log pi_trainer - log pi_engine| and the k3 estimate of KL(engine || trainer)."""
+    m = batch.response_mask * (batch.versions >= 0)
+    n = m.sum().clamp(min=1)
+    d = (trainer_logp - batch.rollout_logprobs) * m
+    k3 = algo.kl_penalty(batch.rollout_logprobs, trainer_logp, "k3") * m
+    return {
+        "mismatch/abs_logp_diff": (d.abs().sum() / n).item(),
+        "mismatch/kl": (k3.sum() / n).item(),
+    }
+
+
+def warn_over_max_len(mask: torch.Tensor, max_len: int) -> bool:
+    """Warn when a sample trains more tokens than the Dr.GRPO normaliser `max_len` assumes;
+    returns whether it warned (the actor warns once per run)."""
+    longest = int(mask.sum(1).max().item())
+    if longest <= max_len:
+        return False
+    warnings.warn(
+        f"algo.loss_agg=seq-mean-token-sum-norm: a sample trains {longest} tokens, more than the "
+        f"normaliser max_len={max_len}; set algo.loss_options.max_len to the longest possible "
+        "response",
+        stacklevel=3,
+    )
+    return True
