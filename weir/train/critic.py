@@ -33,7 +33,7 @@ from weir.train.batch import TrainBatch
 from weir.train.model import load_model, resolve_model_path
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import Layout, choose_layout, micro_batches
+from weir.train.packing import Layout, choose_layout, left_pad, micro_batches
 from weir.train.precision import Precision
 
 
@@ -150,13 +150,8 @@ def response_values(
         )[0, torch.tensor(keep, device=device)]
         rows = torch.split(v, response_lengths)
     else:
-        b, longest = len(sequences), max(len(s) for s in sequences)
-        ids = torch.zeros(b, longest, dtype=torch.long)
-        attn = torch.zeros(b, longest, dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            ids[i, longest - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            attn[i, longest - len(seq) :] = 1
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids, attn, positions = left_pad(sequences)
+        longest = ids.shape[1]
         v = model(
             input_ids=ids.to(device),
             attention_mask=attn.to(device),

@@ -237,6 +237,18 @@ def _token_stats(
     return logp, ent
 
 
+def left_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences right-aligned in rows of the longest one's width: (ids, attention mask, position
+    ids), on the CPU; padding is id 0, mask 0, position 0."""
+    b, width = len(sequences), max(len(s) for s in sequences)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    attn = torch.zeros(b, width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attn[i, width - len(seq) :] = 1
+    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
+
 def _rows(x: torch.Tensor, lengths: list[int], pad_to: int | None) -> torch.Tensor:
     rows = pad_sequence(list(torch.split(x, lengths)), batch_first=True)
     if pad_to is not None and rows.shape[1] < pad_to:
@@ -307,12 +319,7 @@ def padded_response_logprobs(
     device = next(model.parameters()).device
     b, width = len(sequences), max(len(s) for s in sequences)
     r = max(response_lengths)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    attn = torch.zeros(b, width, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-        attn[i, width - len(seq) :] = 1
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    ids, attn, positions = left_pad(sequences)
     ids, attn = ids.to(device), attn.to(device)
     extra = {"position_ids": positions.to(device)}
     if visions is not None and any(v is not None for v in visions):
@@ -383,13 +390,7 @@ def prefix_response_logprobs(
             )
         rows_prompt.append(prompt_of.setdefault(tuple(seq[: len(seq) - n]), len(prompt_of)))
     prompts = list(prompt_of)
-    g, p = len(prompts), max(len(q) for q in prompts)
-    p_ids = torch.zeros(g, p, dtype=torch.long)
-    p_mask = torch.zeros(g, p, dtype=torch.long)
-    for k, q in enumerate(prompts):
-        p_ids[k, p - len(q) :] = torch.tensor(q, dtype=torch.long)
-        p_mask[k, p - len(q) :] = 1
-    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    p_ids, p_mask, p_pos = left_pad([list(q) for q in prompts])
     cache = DynamicCache(config=model.config)
     first = model(
         input_ids=p_ids.to(device),
