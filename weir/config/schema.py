@@ -10,9 +10,16 @@ import warnings
 
 from pydantic import Field, model_validator
 
+from weir.config.episode_sections import (  # noqa: F401
+    AgentConfig,
+    MultiAgentConfig,
+    RoleConfig,
+    SandboxConfig,
+    ServeConfig,
+    VisionConfig,
+)
 from weir.config.sections import (  # noqa: F401  (re-exported: the sections live there)
     DEVICE_PATTERN,
-    AgentConfig,
     AlgoConfig,
     ClusterConfig,
     ClusterEnginesConfig,
@@ -26,19 +33,14 @@ from weir.config.sections import (  # noqa: F401  (re-exported: the sections liv
     LoopConfig,
     LoraConfig,
     ModelConfig,
-    MultiAgentConfig,
     RewardComponent,
     RewardConfig,
-    RoleConfig,
     RolloutConfig,
     RunConfig,
-    SandboxConfig,
     Section,
-    ServeConfig,
     SFTConfig,
     TelemetryConfig,
     TrainConfig,
-    VisionConfig,
 )
 
 
