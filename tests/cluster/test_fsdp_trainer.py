@@ -12,7 +12,7 @@ from weir.config import build_config
 from weir.data.sample import Group, Sample
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
-from weir.train.distributed import TrainerGroup, balance
+from weir.train.distributed import RankSettings, TrainerGroup, balance
 
 OPTS = [
     "rollout.batch_prompts=2",
@@ -81,7 +81,7 @@ def test_two_ranks_match_one_rank(ray_local, tiny_model_dir, tmp_path, kl):
     batch.rollout_logprobs = one.logprobs(one.model, batch) - 0.05  # importance ratios != 1
     cluster = RayCluster(cfg.cluster).start()
     try:
-        group = TrainerGroup(cluster, cfg, str(tiny_model_dir))
+        group = TrainerGroup(cluster, RankSettings.from_config(cfg), str(tiny_model_dir))
         for _ in range(2):
             want = one.train(batch)
             got = group.train(batch)

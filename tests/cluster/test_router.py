@@ -97,12 +97,12 @@ def test_a_replica_killed_mid_generation_is_retried_restarted_and_resynced(parts
 
 def test_a_dead_trainer_rank_stops_with_a_clear_message(ray_local, tiny_model_dir):
     from weir.cluster import RayCluster
-    from weir.train.distributed import TrainerGroup
+    from weir.train.distributed import RankSettings, TrainerGroup
 
     cfg = _cfg("cluster.trainer.ranks=2", "cluster.engines.replicas=1")
     cluster = RayCluster(cfg.cluster).start()
     try:
-        group = TrainerGroup(cluster, cfg, str(tiny_model_dir))
+        group = TrainerGroup(cluster, RankSettings.from_config(cfg), str(tiny_model_dir))
         ray.kill(group.ranks[1])
         with pytest.raises(TrainerFailed, match="trainer rank 1 died"):
             group.call("full_state")  # rank 0 would wait for rank 1 in the collective forever

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from tests.toy import toy_groups
 from weir.config import build_config
 from weir.train.batch import make_batch
-from weir.train.distributed import TrainerRank, free_port
+from weir.train.distributed import RankSettings, TrainerRank, free_port
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -26,7 +26,7 @@ def test_meta_start_on_cuda_loads_the_weights_and_checkpoints(tiny_model_dir, tm
             f"train.offload_optimizer={str(offload).lower()}",
         ],
     )
-    rank = TrainerRank(cfg, str(tiny_model_dir), 0, 1)
+    rank = TrainerRank(RankSettings.from_config(cfg), str(tiny_model_dir), 0, 1)
     try:
         rank.setup("127.0.0.1", free_port())
         assert rank.start_stats()["meta"] == 1.0

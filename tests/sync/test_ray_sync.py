@@ -13,7 +13,7 @@ from weir.loop.ray_build import load_for_engine
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
 from weir.train.batch import make_batch
-from weir.train.distributed import TrainerGroup
+from weir.train.distributed import RankSettings, TrainerGroup
 
 
 @pytest.mark.slow
@@ -33,11 +33,13 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
     )
     cluster = RayCluster(cfg.cluster).start()
     try:
-        trainer = TrainerGroup(cluster, cfg, str(tiny_model_dir), rank_cls=SyncTrainerRank)
+        trainer = TrainerGroup(
+            cluster, RankSettings.from_config(cfg), str(tiny_model_dir), rank_cls=SyncTrainerRank
+        )
         worker = ray.remote(SyncEngineWorker)
         engines = [
             worker.options(**cluster.engine_options(i)).remote(
-                cfg, str(tiny_model_dir), i, load_for_engine
+                cfg.engine, str(tiny_model_dir), i, load_for_engine, seed=cfg.run.seed
             )
             for i in range(2)
         ]

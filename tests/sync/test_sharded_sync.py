@@ -28,7 +28,7 @@ from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
 from weir.tasks.tiny_model import build_tiny_model
 from weir.train.batch import make_batch
-from weir.train.distributed import TrainerGroup
+from weir.train.distributed import RankSettings, TrainerGroup
 
 MB = 2**20
 BUCKET_MB = 1
@@ -96,11 +96,13 @@ def test_colocated_sync_streams_buckets_by_handle_and_engines_sleep(ray_local, w
     )
     cluster = MeasuredCluster(cfg.cluster).start()
     try:
-        trainer = TrainerGroup(cluster, cfg, str(wide_model_dir), rank_cls=SyncTrainerRank)
+        trainer = TrainerGroup(
+            cluster, RankSettings.from_config(cfg), str(wide_model_dir), rank_cls=SyncTrainerRank
+        )
         worker = ray.remote(SyncEngineWorker)
         engines = [
             worker.options(**cluster.engine_options(i)).remote(
-                cfg, str(wide_model_dir), i, load_for_engine
+                cfg.engine, str(wide_model_dir), i, load_for_engine, seed=cfg.run.seed
             )
             for i in range(1)
         ]

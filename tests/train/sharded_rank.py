@@ -20,7 +20,7 @@ from tests.memory_probe import AllocationPeak
 from tests.toy import toy_groups
 from weir.config import build_config
 from weir.train.batch import make_batch
-from weir.train.distributed import TrainerRank
+from weir.train.distributed import RankSettings, TrainerRank
 from weir.train.memory import peak_rss_since, reset_peak_rss
 
 OPTS = ["rollout.batch_prompts=2", "rollout.n=4", "train.lr=1e-3", "model.threads=1"]
@@ -29,7 +29,7 @@ KEYS = ("train/loss", "train/grad_norm", "train/lr", "policy/pg_loss")
 
 def main(rank: int, world: int, port: int, model_dir: str, work: Path) -> None:
     cfg = build_config({}, OPTS)
-    trainer = TrainerRank(cfg, model_dir, rank, world)
+    trainer = TrainerRank(RankSettings.from_config(cfg), model_dir, rank, world)
     trainer.setup("127.0.0.1", port)
     out: dict = {"start": trainer.start_stats()}
     batch = make_batch(toy_groups(), version=0)

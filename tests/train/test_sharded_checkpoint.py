@@ -251,10 +251,10 @@ def test_a_model_whose_files_differ_is_loaded_whole_and_saved_by_transformers(
     """The fallback when disk names or shapes differ from the module's (weights converted on
     load): each rank loads the whole model, and the HF files are written by save_pretrained."""
     import weir.train.meta_init as meta_init
-    from weir.train.distributed import TrainerRank
+    from weir.train.distributed import RankSettings, TrainerRank
 
     monkeypatch.setattr(meta_init, "layout_mismatch", lambda model, layout: "converted on load")
-    rank = TrainerRank(build_config({}, OPTS), str(tiny_model_dir), 0, 1)
+    rank = TrainerRank(RankSettings.from_config(build_config({}, OPTS)), str(tiny_model_dir), 0, 1)
     try:
         rank.setup("127.0.0.1", free_port())
         assert rank.start_stats()["meta"] == 0.0
@@ -272,7 +272,7 @@ def test_a_one_process_checkpoint_continues_on_sharded_ranks(tiny_model_dir, tmp
     """cluster.type=local -> ray: each rank reads its slices of the checkpoint's HF weights and
     takes the one-process optimizer state (numbered parameters) by name; the next update is the
     one the single process makes."""
-    from weir.train.distributed import TrainerRank
+    from weir.train.distributed import RankSettings, TrainerRank
     from weir.train.model import save_model
 
     cfg = build_config({}, OPTS)
@@ -283,7 +283,7 @@ def test_a_one_process_checkpoint_continues_on_sharded_ranks(tiny_model_dir, tmp
     local.train(first)
     save_model(local.model, build_tokenizer(), tmp_path / "model")
     state = copy.deepcopy(local.state_dict())  # as it arrives from trainer.pt: not shared
-    rank = TrainerRank(cfg, str(tiny_model_dir), 0, 1)
+    rank = TrainerRank(RankSettings.from_config(cfg), str(tiny_model_dir), 0, 1)
     try:
         rank.setup("127.0.0.1", free_port())
         rank.load_hf(str(tmp_path / "model"))

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from weir.config import Config
 from weir.config.devices import resolve_dtype
+from weir.config.sections import EngineConfig
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.kv_budget import kv_options
 from weir.engine.torch_engine import TorchEngine
@@ -23,31 +23,40 @@ class EngineWorker:
     """One engine replica: loads `model_path` and serves the Engine protocol over Ray.
 
     Args:
-        cfg: the run config (engine.*, run.seed).
+        engine: the run's engine section (dtype, batch size, KV budget).
         model_path: a model directory this node can read (or a hub name).
-        index: the replica's index (its sampling seed is run.seed + index).
+        index: the replica's index (its sampling seed is `seed + index`).
         load: `(model_path, dtype) -> (model, tokenizer, eos_token_ids)`, a module-level function
             (Ray ships it by reference). The driver passes the trainer's loader, so both sides run
             the same HF class, without this package importing training code.
+        seed: the run's seed.
+        on_gpu: whether this replica was given a GPU (cluster.engines.gpus > 0).
     """
 
     def __init__(
-        self, cfg: Config, model_path: str, index: int, load: Callable[..., tuple]
+        self,
+        engine: EngineConfig,
+        model_path: str,
+        index: int,
+        load: Callable[..., tuple],
+        *,
+        seed: int = 0,
+        on_gpu: bool = False,
     ) -> None:
         torch.set_num_threads(1)
         self.index = index
-        device = torch.device("cuda" if cfg.cluster.engines.gpus > 0 else "cpu")
-        dtype = resolve_dtype(cfg.engine.dtype, device)
+        device = torch.device("cuda" if on_gpu else "cpu")
+        dtype = resolve_dtype(engine.dtype, device)
         model, tokenizer, eos_ids = load(model_path, dtype)
         model = model.to(device).eval()
         self.engine = TorchEngine(
             model,
             eos_token_ids=eos_ids,
             pad_token_id=tokenizer.pad_token_id,
-            max_batch_size=cfg.engine.max_batch_size,
-            seed=cfg.run.seed + index,
+            max_batch_size=engine.max_batch_size,
+            seed=seed + index,
             num_threads=1,
-            **kv_options(cfg.engine),
+            **kv_options(engine),
         )
 
     async def ping(self) -> int:

@@ -79,7 +79,7 @@ class Components:
             return save_final_model(self.model, self.tokenizer, run_dir)
         from weir.train.sharded_checkpoint import save_model_files
 
-        self.trainer.save_hf(str(out), self.trainer.cfg.cluster.bucket_mb)
+        self.trainer.save_hf(str(out), self.trainer.cluster.bucket_mb)
         return save_model_files(self.model, self.tokenizer, out)
 
 

@@ -19,7 +19,7 @@ from weir.config.devices import resolve_dtype
 from weir.engine.router import Router
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
-from weir.train.distributed import TrainerGroup
+from weir.train.distributed import RankSettings, TrainerGroup
 
 
 @dataclass
@@ -32,7 +32,7 @@ class RayParts:
 
     def rewards(self, fn: Callable) -> Callable:
         """`fn` scored in `cluster.reward_workers` Ray actors instead of the driver."""
-        self.reward_pool = RewardPool(fn, workers=self.trainer.cfg.cluster.reward_workers)
+        self.reward_pool = RewardPool(fn, workers=self.trainer.cluster.reward_workers)
         return self.reward_pool.reward
 
     def shutdown(self) -> None:
@@ -58,10 +58,19 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
     c = cfg.cluster
     cluster = RayCluster(c).start()
     try:
-        trainer = TrainerGroup(cluster, cfg, model_path, rank_cls=SyncTrainerRank)
+        trainer = TrainerGroup(
+            cluster, RankSettings.from_config(cfg), model_path, rank_cls=SyncTrainerRank
+        )
         remote = ray.remote(SyncEngineWorker)
         replicas = [
-            remote.options(**cluster.engine_options(i)).remote(cfg, model_path, i, load_for_engine)
+            remote.options(**cluster.engine_options(i)).remote(
+                cfg.engine,
+                model_path,
+                i,
+                load_for_engine,
+                seed=cfg.run.seed,
+                on_gpu=c.engines.gpus > 0,
+            )
             for i in range(c.engines.replicas)
         ]
         ray.get([r.ping.remote() for r in replicas])

@@ -51,7 +51,7 @@ class SyncTrainerRank(TrainerRank):
     @property
     def _offloads(self) -> bool:
         """Colocated on a GPU with cluster.offload_trainer: off the device between train calls."""
-        c = self.cfg.cluster
+        c = self.settings.cluster
         return c.colocate and c.offload_trainer and self.device.startswith("cuda")
 
     def setup(self, host: str, port: int) -> int:

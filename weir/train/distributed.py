@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from torch.distributed.fsdp import (
 )
 
 from weir.config import Config
+from weir.config.sections import ClusterConfig, TrainConfig
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.memory import peak_rss_since, reset_peak_rss
@@ -209,20 +211,47 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class RankSettings:
+    """What a trainer rank needs from the run's config: the actor's settings, the cluster's
+    layout (devices per rank, colocation, offload), threads, seed and determinism."""
+
+    actor: ActorSettings
+    cluster: ClusterConfig
+    threads: int = 1
+    seed: int = 0
+    deterministic: bool = False
+
+    @property
+    def train(self) -> TrainConfig:
+        return self.actor.train
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RankSettings:
+        return cls(
+            actor=ActorSettings.from_config(cfg),
+            cluster=cfg.cluster,
+            threads=cfg.model.threads or 1,
+            seed=cfg.run.seed,
+            deterministic=cfg.run.deterministic,
+        )
+
+
 class TrainerRank:
     """One trainer process: joins the group, trains its share, serves weights and checkpoints.
 
     Args:
-        cfg: the run config (cfg.cluster.trainer says ranks and devices).
+        settings: its config sections (`RankSettings.from_config(cfg)`; cluster.trainer says
+            ranks and devices).
         model_path: the model directory every rank loads (identical initial weights).
         rank, world: this process's place in the trainer group.
     """
 
-    def __init__(self, cfg: Config, model_path: str, rank: int, world: int) -> None:
-        self.cfg, self.model_path, self.rank, self.world = cfg, model_path, rank, world
+    def __init__(self, settings: RankSettings, model_path: str, rank: int, world: int) -> None:
+        self.settings, self.model_path, self.rank, self.world = settings, model_path, rank, world
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here
-        self.device = "cuda:0" if cfg.cluster.trainer.gpus_per_rank > 0 else "cpu"
-        torch.set_num_threads(cfg.model.threads or 1)
+        self.device = "cuda:0" if settings.cluster.trainer.gpus_per_rank > 0 else "cpu"
+        torch.set_num_threads(settings.threads)
         self.actor: ShardedActor | None = None
         self.start: dict[str, float] = {}
 
@@ -236,15 +265,15 @@ class TrainerRank:
         """Join the trainer group and build the sharded actor; returns this rank."""
         on_gpu = self.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
-        precision = Precision.from_config(self.cfg.train, device=self.device)
-        setup_device(precision, deterministic=self.cfg.run.deterministic)
+        precision = Precision.from_config(self.settings.train, device=self.device)
+        setup_device(precision, deterministic=self.settings.deterministic)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{host}:{port}",
             rank=self.rank,
             world_size=self.world,
         )
-        torch.manual_seed(self.cfg.run.seed)
+        torch.manual_seed(self.settings.seed)
         self.actor = self._build(precision.param_dtype)
         return self.rank
 
@@ -273,7 +302,7 @@ class TrainerRank:
             self.start["meta"] = 0.0
             return ShardedActor(
                 load_model(self.model_path, dtype, self.device)[0],
-                ActorSettings.from_config(self.cfg),
+                self.settings.actor,
             )
         finally:
             self.start["peak_rss_mb"] = peak_rss_since(baseline) / 2**20
@@ -283,8 +312,8 @@ class TrainerRank:
     ) -> ShardedActor:
         from weir.train.meta_init import build_on_meta, load_local_shards, materialize
 
-        compute = Precision.from_config(self.cfg.train, device=self.device).compute_dtype
-        offload = self.cfg.train.offload_optimizer
+        compute = Precision.from_config(self.settings.train, device=self.device).compute_dtype
+        offload = self.settings.train.offload_optimizer
         where = "cpu" if offload else self.device  # FSDP2's CPU offload keeps shards on the host
         read = 0
 
@@ -297,13 +326,15 @@ class TrainerRank:
 
         actor_model = start(model)
         reference = None
-        if self.cfg.algo.kl.coef > 0:  # the frozen initial policy, sharded and read the same way
+        if (
+            self.settings.actor.algo.kl.coef > 0
+        ):  # the frozen initial policy, sharded and read the same way
             reference = start(build_on_meta(self.model_path, dtype)).eval().requires_grad_(False)
         local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
         self.start.update(
             meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20
         )
-        return ShardedActor(actor_model, ActorSettings.from_config(self.cfg), reference=reference)
+        return ShardedActor(actor_model, self.settings.actor, reference=reference)
 
     def start_stats(self) -> dict[str, float]:
         """How this rank started: `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
@@ -424,16 +455,18 @@ class TrainerGroup:
     while the other ranks wait in a collective.
     """
 
-    def __init__(self, cluster, cfg: Config, model_path: str, rank_cls: type = TrainerRank) -> None:
+    def __init__(
+        self, cluster, settings: RankSettings, model_path: str, rank_cls: type = TrainerRank
+    ) -> None:
         import ray
 
-        self.cfg = cfg
+        self.cluster = settings.cluster
         self.trained = 0  # train calls so far (a weight sync checks whether the weights moved)
         self._collective = threading.RLock()  # one collective call at a time, from any thread
-        world = cfg.cluster.trainer.ranks
+        world = settings.cluster.trainer.ranks
         remote = ray.remote(rank_cls)
         self.ranks = [
-            remote.options(**cluster.trainer_options(r)).remote(cfg, model_path, r, world)
+            remote.options(**cluster.trainer_options(r)).remote(settings, model_path, r, world)
             for r in range(world)
         ]
         host, port = self.get([self.ranks[0].address.remote()])[0]
