@@ -33,37 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from model_shapes import QWEN25, SMALL  # benchmarks/model_shapes.py (the script's folder)
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 SHAPES: dict[str, dict[str, Any]] = {
-    # Qwen2.5-0.5B / 1.5B config.json values (hidden, layers, heads, kv heads, MLP, vocabulary)
-    "0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(  # for checking the code path on a CPU
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1024,
-        tie_word_embeddings=True,
-    ),
+    **{k: QWEN25[k] for k in ("0.5b", "1.5b")},
+    "tiny": {
+        **SMALL["tiny"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 1024,
+        "tie_word_embeddings": True,
+    },  # checks the code path on a CPU
 }
 
 # dense bf16 tensor-core peak, FLOP/s

@@ -33,33 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from model_shapes import QWEN25, SMALL  # benchmarks/model_shapes.py (the script's folder)
+
 SHAPES: dict[str, dict[str, Any]] = {
-    # hidden, layers, heads, kv heads, MLP, vocabulary
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=384,
-        vocab_size=512,
-    ),
-    "40m": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1536,
-        vocab_size=32000,
-    ),
-    # Qwen2.5-0.5B's shape (config.json values) in the Qwen3 architecture
-    "0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-    ),
+    **SMALL,
+    "0.5b": {k: v for k, v in QWEN25["0.5b"].items() if k != "tie_word_embeddings"},  # in Qwen3
 }
 MB = 2**20
 
