@@ -15,6 +15,7 @@ from weir.train.packing import (
     bucket_by_length,
     choose_layout,
     micro_batches,
+    pack,
     pack_by_tokens,
     response_logprobs,
 )
@@ -131,3 +132,26 @@ def test_padded_costs_fewer_operations_than_packed_for_many_short_sequences():
                 ).logprobs.sum().backward()
         flops[layout] = counter.get_total_flops()
     assert flops["padded"] < 0.5 * flops["packed"], flops
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.integers(1, 5)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_pack_keeps_the_states_that_predict_each_response(shapes: list[tuple[int, int]]) -> None:
+    """`pack`: the row is the sequences end to end, positions restart at 0, and the kept states
+    are exactly those whose next token is a response token (in order)."""
+    sequences, lengths, token = [], [], 0
+    for prompt_len, response_len in shapes:
+        sequences.append(list(range(token, token + prompt_len + response_len)))
+        lengths.append(response_len)
+        token += prompt_len + response_len
+    flat, positions, keep = pack(sequences, lengths)
+    assert flat == [t for s in sequences for t in s]
+    assert positions == [i for s in sequences for i in range(len(s))]
+    responses = [t for s, n in zip(sequences, lengths, strict=True) for t in s[len(s) - n :]]
+    assert [flat[k + 1] for k in keep] == responses

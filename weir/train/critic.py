@@ -33,7 +33,7 @@ from weir.train.batch import TrainBatch
 from weir.train.model import load_model, resolve_model_path
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import Layout, choose_layout, left_pad, micro_batches
+from weir.train.packing import Layout, choose_layout, left_pad, micro_batches, pack
 from weir.train.precision import Precision
 
 
@@ -138,12 +138,7 @@ def response_values(
     width = pad_to or max(response_lengths)
     out = torch.zeros(len(sequences), width, device=device)
     if layout == "packed":
-        flat, positions, keep, offset = [], [], [], 0
-        for seq, n in zip(sequences, response_lengths, strict=True):
-            flat.extend(seq)
-            positions.extend(range(len(seq)))
-            keep.extend(range(offset + len(seq) - n - 1, offset + len(seq) - 1))
-            offset += len(seq)
+        flat, positions, keep = pack(sequences, response_lengths)
         v = model(
             input_ids=torch.tensor([flat], device=device),
             position_ids=torch.tensor([positions], device=device),

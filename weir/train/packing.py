@@ -237,6 +237,22 @@ def _token_stats(
     return logp, ent
 
 
+def pack(
+    sequences: list[list[int]], response_lengths: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """The `packed` layout's one row: (ids, position ids restarting at 0 per sequence, the row
+    positions whose next token is a response token, i.e. the states that predict the responses)."""
+    flat: list[int] = []
+    positions: list[int] = []
+    keep: list[int] = []
+    for seq, n in zip(sequences, response_lengths, strict=True):
+        end = len(flat) + len(seq)
+        keep.extend(range(end - n - 1, end - 1))
+        flat.extend(seq)
+        positions.extend(range(len(seq)))
+    return flat, positions, keep
+
+
 def left_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequences right-aligned in rows of the longest one's width: (ids, attention mask, position
     ids), on the CPU; padding is id 0, mask 0, position 0."""
@@ -270,12 +286,7 @@ def packed_response_logprobs(
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module docstring)."""
     device = next(model.parameters()).device
-    flat, positions, keep, offset = [], [], [], 0
-    for seq, n in zip(sequences, response_lengths, strict=True):
-        flat.extend(seq)
-        positions.extend(range(len(seq)))
-        keep.extend(range(offset + len(seq) - n - 1, offset + len(seq) - 1))
-        offset += len(seq)
+    flat, positions, keep = pack(sequences, response_lengths)
     input_ids = torch.tensor([flat], device=device)
     extra = {"position_ids": torch.tensor([positions], device=device)}
     vm = vision_model(model)
