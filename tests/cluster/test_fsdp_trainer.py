@@ -74,8 +74,9 @@ def test_two_ranks_match_one_rank(ray_local, tiny_model_dir, tmp_path, kl):
         AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         ActorSettings.from_config(build_config({}, [*opts, "train.packing=padded"])),
     )
-    # the ranks' full step (padded rows, none of the one-process shortcuts): Adam turns rounding
-    # differences in near-zero gradients into lr-sized weight differences
+    # padded rows like the ranks', without the shortcuts (with 2 mini-batches and rewards spread in
+    # every group the ranks take none either): Adam turns rounding differences in near-zero
+    # gradients into lr-sized weight differences
     one.fuses_old_logprobs = one.skips_dead_backward = False
     batch = make_batch(_groups(), version=0)
     batch.rollout_logprobs = one.logprobs(one.model, batch) - 0.05  # importance ratios != 1

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from weir import algo
-from weir.config import Config
-from weir.config.schema import AlgoConfig, TrainConfig
 from weir.telemetry.timeline import span
+from weir.train.actor_settings import ActorSettings  # noqa: F401  (re-exported)
 from weir.train.batch import TrainBatch
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
@@ -30,46 +29,6 @@ from weir.train.step_checks import drop_nonfinite, finite_forward, mismatch, war
 
 if TYPE_CHECKING:
     from weir.train.critic import Critic
-
-
-@dataclass(frozen=True)
-class ActorSettings:
-    """What the actor reads from a run's config: its own sections plus three derived numbers.
-
-    temperature: the sampling temperature T; log-probs are ``log_softmax(logits / T)`` as the
-        engine reports them.
-    total_steps: optimizer steps of the whole run (for the learning-rate schedule).
-    max_response_tokens: the most response tokens one sample can have, the constant normaliser
-        of Dr.GRPO's ``seq-mean-token-sum-norm``: ``rollout.max_new_tokens`` for one turn,
-        ``agent.max_tokens`` for multi-turn episodes (all turns and observations together).
-        ``algo.loss_options.max_len`` overrides it.
-    """
-
-    train: TrainConfig
-    algo: AlgoConfig
-    temperature: float = 1.0
-    total_steps: int = 1
-    max_response_tokens: int = 256
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> ActorSettings:
-        multi_turn = cfg.agent.env is not None or "multi_turn" in cfg.rollout.function
-        longest = cfg.agent.max_tokens if multi_turn else cfg.rollout.max_new_tokens
-        if cfg.multi_agent.roles:  # one role's view: its turns and the others' shown to it
-            longest = cfg.multi_agent.max_tokens
-        return cls(
-            train=cfg.train,
-            algo=cfg.algo,
-            temperature=cfg.rollout.temperature or 1.0,
-            total_steps=max(1, _policy_steps(cfg) * cfg.train.mini_batches * cfg.train.epochs),
-            max_response_tokens=longest,
-        )
-
-
-def _policy_steps(cfg: Config) -> int:
-    """RL steps that update the policy: all but the critic's warm-up (critic.freeze_actor_steps)."""
-    frozen = cfg.critic.freeze_actor_steps if cfg.algo.advantage == "gae" else 0
-    return max(0, cfg.run.steps - frozen)
 
 
 class Actor:
@@ -210,6 +169,11 @@ class Actor:
     def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows computed here, zeros elsewhere -> the rows of every rank."""
         return rows
+
+    def _all_finite(self, finite: bool) -> bool:
+        """Whether every rank's micro-batch was finite (so that all ranks restart a fused step
+        together, or none does)."""
+        return finite
 
     def _reduce_metrics(
         self, sums: dict[str, float], peaks: dict[str, float]
@@ -452,94 +416,112 @@ class Actor:
         self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks
     ) -> None:
         """Forward and backward over the micro-batches of mini-batch `mb`, adding up metrics."""
-        seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        width = mask.shape[1]
-        num_tokens = float(mask[mb].sum().item())
-        num_seqs = float(mask[mb].any(1).sum().item())
+        seqs, lens = batch.sequences, batch.response_lengths
+        step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, sums, peaks)
+        step.num_tokens = float(mask[mb].sum().item())
+        step.num_seqs = float(mask[mb].any(1).sum().item())
         dead = self._dead_rows(mask, advantages)
         live = [i for i in mb if dead is None or not dead[i]]
-        runs = [(idx, True) for idx in self._micro_batches(live, seqs, lens)] if live else []
-        if len(live) < len(mb):
-            rest = [i for i in mb if dead[i]]
-            runs += [(idx, False) for idx in self._micro_batches(rest, seqs, lens)]
+        # the dead rows' forwards come first: under FSDP2 a forward between the backwards and the
+        # optimizer step drops the gradients of the root module's parameters (seen: 2 of 46)
+        rest = [i for i in mb if dead is not None and dead[i]]
+        runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
+        if live:
+            runs += [(idx, True) for idx in self._micro_batches(live, seqs, lens)]
         for idx, grad in runs:
-            if not idx:
-                self._idle_pass(self.model, backward=True)
-                continue
-            with span("forward", cat="train", sequences=len(idx)), torch.set_grad_enabled(grad):
-                out = self._forward(
-                    self.model,
-                    [seqs[i] for i in idx],
-                    [lens[i] for i in idx],
-                    with_entropy=True,
-                    entropy_grad=self.acfg.entropy_coef != 0,
-                    pad_to=width,
-                    visions=[vis[i] for i in idx],
-                )
-            m = mask[idx]
-            if old is None and not finite_forward(out, m):
+            finite = True
+            if idx:
+                finite = self._micro_step(step, idx, grad)
+            else:
+                self._idle_pass(self.model, backward=grad)
+            # a fused step that met a non-finite log-prob restarts on every rank together; the
+            # check follows the micro-batch's backward, so every rank's collectives run in the
+            # same order (forward, backward, this all-reduce)
+            if old is None and not self._all_finite(finite):
                 raise _NonFiniteOld
-            old_mb = out.logprobs.detach() if old is None else old[idx]
-            if not grad and not finite_forward(out, m):
-                continue  # no gradient from these rows: an overflow in them cannot reach it
-            if not finite_forward(out, m):
-                # an overflow in this forward: backward a NaN loss, so that the gradient norm is
-                # NaN on every rank (collectives stay in step) and `_update` skips this update
-                # and counts it in train/skipped_updates, instead of a check stopping the run
-                with span("backward", cat="train"):
-                    (out.logprobs.nan_to_num().sum() * float("nan")).backward()
-                continue
-            kl_in_loss = ref is not None and not self.acfg.kl.as_reward
-            loss, pg = algo.compute_policy_loss(
-                self.loss_fn,
-                out.logprobs,
-                old_mb,
-                advantages[idx],
-                m,
-                agg=self.acfg.loss_agg,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                max_len=self.max_len,
-                behavior_logp=self._behavior(batch)[idx]
-                if self.acfg.policy_loss == "decoupled_ppo"
-                else None,
-                weights=None if weights is None else weights[idx],
-                ref_logp=ref[idx] if kl_in_loss else None,
-                kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
-                kl_kind=self.acfg.kl.estimator,
-                entropy=out.entropy,
-                entropy_coef=self.acfg.entropy_coef,
-                **self.loss_options,
-            )
-            if grad:
-                with span("backward", cat="train"):
-                    loss.backward()
-            share = float(m.sum().item()) / max(num_tokens, 1.0)
-            sums["train/loss"] += loss.item()
-            for k, v in pg.items():
-                if k in ("loss", "tokens"):
-                    continue
-                key = f"train/{k}" if k in ("entropy", "kl_ref") else f"policy/{k}"
-                if k == "pg_loss":  # already normalised by the mini-batch counts: a sum
-                    sums[key] += v
-                elif k.endswith("_max"):
-                    peaks[key] = max(peaks.get(key, float("-inf")), v)
-                else:
-                    sums[key] += v * share
-            if first and (old is None or not self.needs_recompute):
-                trained = batch.response_mask[idx] if old is None else m
-                policy = trained * (batch.versions[idx] >= 0)
-                behaviour = batch.rollout_logprobs[idx]
-                diff = (out.logprobs.detach() - behaviour) * policy
-                self._mismatch_sums[0] += diff.abs().sum().item()
-                self._mismatch_sums[1] += policy.sum().item()
-                if old is None:  # the k3 KL that `_mismatch` reports for a separate pass
-                    k3 = algo.kl_penalty(behaviour, out.logprobs.detach(), "k3") * policy
-                    self._mismatch_sums[2] += k3.sum().item()
         if not live:  # a zero gradient, on which AdamW still steps (its moments decay)
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
+
+    def _micro_step(self, step: _MiniBatch, idx: list[int], grad: bool) -> bool:
+        """Forward micro-batch `idx` (and backward, with `grad`), adding up its metrics; False
+        when its log-probs were not finite."""
+        batch, mask, old, ref = step.batch, step.mask, step.old, step.ref
+        advantages, weights, sums, peaks = step.advantages, step.weights, step.sums, step.peaks
+        num_tokens, num_seqs = step.num_tokens, step.num_seqs
+        seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
+        width = mask.shape[1]
+        with span("forward", cat="train", sequences=len(idx)), torch.set_grad_enabled(grad):
+            out = self._forward(
+                self.model,
+                [seqs[i] for i in idx],
+                [lens[i] for i in idx],
+                with_entropy=True,
+                entropy_grad=self.acfg.entropy_coef != 0,
+                pad_to=width,
+                visions=[vis[i] for i in idx],
+            )
+        m = mask[idx]
+        finite = finite_forward(out, m)
+        if not grad and not finite:
+            return False  # no gradient from these rows: an overflow in them cannot reach it
+        if not finite:
+            # an overflow in this forward: backward a NaN loss, so that the gradient norm is
+            # NaN on every rank (collectives stay in step) and `_update` skips this update
+            # and counts it in train/skipped_updates, instead of a check stopping the run
+            with span("backward", cat="train"):
+                (out.logprobs.nan_to_num().sum() * float("nan")).backward()
+            return False
+        old_mb = out.logprobs.detach() if old is None else old[idx]
+        kl_in_loss = ref is not None and not self.acfg.kl.as_reward
+        loss, pg = algo.compute_policy_loss(
+            self.loss_fn,
+            out.logprobs,
+            old_mb,
+            advantages[idx],
+            m,
+            agg=self.acfg.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_len=self.max_len,
+            behavior_logp=self._behavior(batch)[idx]
+            if self.acfg.policy_loss == "decoupled_ppo"
+            else None,
+            weights=None if weights is None else weights[idx],
+            ref_logp=ref[idx] if kl_in_loss else None,
+            kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
+            kl_kind=self.acfg.kl.estimator,
+            entropy=out.entropy,
+            entropy_coef=self.acfg.entropy_coef,
+            **self.loss_options,
+        )
+        if grad:
+            with span("backward", cat="train"):
+                loss.backward()
+        share = float(m.sum().item()) / max(num_tokens, 1.0)
+        sums["train/loss"] += loss.item()
+        for k, v in pg.items():
+            if k in ("loss", "tokens"):
+                continue
+            key = f"train/{k}" if k in ("entropy", "kl_ref") else f"policy/{k}"
+            if k == "pg_loss":  # already normalised by the mini-batch counts: a sum
+                sums[key] += v
+            elif k.endswith("_max"):
+                peaks[key] = max(peaks.get(key, float("-inf")), v)
+            else:
+                sums[key] += v * share
+        if step.first and (old is None or not self.needs_recompute):
+            trained = batch.response_mask[idx] if old is None else m
+            policy = trained * (batch.versions[idx] >= 0)
+            behaviour = batch.rollout_logprobs[idx]
+            diff = (out.logprobs.detach() - behaviour) * policy
+            self._mismatch_sums[0] += diff.abs().sum().item()
+            self._mismatch_sums[1] += policy.sum().item()
+            if old is None:  # the k3 KL that `_mismatch` reports for a separate pass
+                k3 = algo.kl_penalty(behaviour, out.logprobs.detach(), "k3") * policy
+                self._mismatch_sums[2] += k3.sum().item()
+        return True
 
     def _dead_rows(self, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
         """(B,) True for rows whose gradient is exactly zero, or None when that cannot be known.
@@ -589,6 +571,23 @@ class Actor:
     def weights(self):
         """Named parameters to push to the engines."""
         return self.model.named_parameters()
+
+
+@dataclass
+class _MiniBatch:
+    """What every micro-batch of one mini-batch's update reads, and the metric sums it adds to."""
+
+    batch: TrainBatch
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    advantages: torch.Tensor
+    weights: torch.Tensor | None
+    first: bool
+    sums: dict[str, float]
+    peaks: dict[str, float]
+    num_tokens: float = 0.0
+    num_seqs: float = 0.0
 
 
 class _NonFiniteOld(Exception):

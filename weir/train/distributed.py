@@ -111,9 +111,12 @@ class ShardedActor(Actor):
     """
 
     offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
-    # single-process shortcuts: the prefix layout's two forwards per micro-batch are untested
-    # under FSDP2, and a restarted step or a rank without backward would put collectives out of step
-    shares_prompts = fuses_old_logprobs = skips_dead_backward = False
+    # the prefix layout needs a group's rows on one rank (balance splits them by tokens) and runs
+    # two forwards per micro-batch, untested under FSDP2. The fused old log-probs and the dead
+    # rows' no-backward forwards keep collectives in step: a fused step restarts on every rank
+    # or none (`_all_finite`), and every rank runs the same number of gradient micro-batches
+    # (padding ones backward, dead-row ones do not)
+    shares_prompts = False
 
     def __init__(
         self,
@@ -173,6 +176,11 @@ class ShardedActor(Actor):
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
         if backward:
             (out.logits.float().sum() * 0.0).backward()
+
+    def _all_finite(self, finite: bool) -> bool:
+        flag = torch.tensor([1.0 if finite else 0.0], device=self._comm)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
 
     def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
         # each row was computed on exactly one rank, zeros elsewhere

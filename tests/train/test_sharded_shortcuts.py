@@ -1,0 +1,94 @@
+"""The trainer's one-process shortcuts on FSDP2 ranks (two real gloo ranks, no Ray): fused old
+log-probs and dead rows without backward give the full step's update, and a non-finite
+log-prob on one rank restarts the step on every rank instead of hanging the collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.train.shortcut_rank import KEYS
+from weir.train.distributed import free_port
+
+ROOT = Path(__file__).parents[2]
+WORLD = 2
+
+
+def _run_ranks(model_dir: Path, out: Path) -> list[tuple[int, str]]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    script = str(ROOT / "tests" / "train" / "shortcut_rank.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), str(WORLD), str(port), str(model_dir), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("the ranks hung: a collective went out of step")
+    return [(p.returncode, o) for p, o in zip(procs, outputs, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def seen(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("shortcut-ranks")
+    results = _run_ranks(tiny_model_dir, out)
+    if any("Address already in use" in o for _, o in results):  # the free port was taken meanwhile
+        results = _run_ranks(tiny_model_dir, out)
+    for code, o in results:
+        assert code == 0, o[-3000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _weights(out: Path, way: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{way}.pt")
+
+
+def test_shortcuts_run_on_the_ranks(seen):
+    _, ranks = seen
+    for r in ranks:
+        assert r["full"]["logprob_passes"] == 2  # a separate old-log-prob pass per step
+        assert r["default"]["logprob_passes"] == 0  # fused: taken from the update's forward
+    # the equal-reward group's rows ran without gradients on some rank
+    assert sum(r["default"]["nograd_forwards"] for r in ranks) > 0
+    assert sum(r["default"]["grad_forwards"] for r in ranks) < sum(
+        r["full"]["grad_forwards"] for r in ranks
+    )
+
+
+def test_shortcut_update_equals_the_full_step(seen, tiny_model_dir):
+    out, ranks = seen
+    for got, want in zip(ranks[0]["default"]["stats"], ranks[0]["full"]["stats"], strict=True):
+        for key in KEYS:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    full, default = _weights(out, "full"), _weights(out, "default")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert set(default) == set(full)
+    assert max((full[k] - start[k]).abs().max().item() for k in full) > 1e-3  # it trained
+    assert max((full[k] - default[k]).abs().max().item() for k in full) < 1e-5
+
+
+def test_a_non_finite_log_prob_on_one_rank_restarts_the_step_on_both(seen):
+    out, ranks = seen
+    # both ranks fell back to the two-pass step once (step 1), then fused again (step 2)
+    assert [r["injected"]["logprob_passes"] for r in ranks] == [1, 1]
+    full, injected = _weights(out, "full"), _weights(out, "injected")
+    assert max((full[k] - injected[k]).abs().max().item() for k in full) < 1e-5

@@ -1,0 +1,49 @@
+"""What the actor reads from a run's config: its `train` and `algo` sections plus the numbers
+derived from others (temperature, total optimizer steps, the longest response)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weir.config import Config
+from weir.config.schema import AlgoConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """What the actor reads from a run's config: its own sections plus three derived numbers.
+
+    temperature: the sampling temperature T; log-probs are ``log_softmax(logits / T)`` as the
+        engine reports them.
+    total_steps: optimizer steps of the whole run (for the learning-rate schedule).
+    max_response_tokens: the most response tokens one sample can have, the constant normaliser
+        of Dr.GRPO's ``seq-mean-token-sum-norm``: ``rollout.max_new_tokens`` for one turn,
+        ``agent.max_tokens`` for multi-turn episodes (all turns and observations together).
+        ``algo.loss_options.max_len`` overrides it.
+    """
+
+    train: TrainConfig
+    algo: AlgoConfig
+    temperature: float = 1.0
+    total_steps: int = 1
+    max_response_tokens: int = 256
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ActorSettings:
+        multi_turn = cfg.agent.env is not None or "multi_turn" in cfg.rollout.function
+        longest = cfg.agent.max_tokens if multi_turn else cfg.rollout.max_new_tokens
+        if cfg.multi_agent.roles:  # one role's view: its turns and the others' shown to it
+            longest = cfg.multi_agent.max_tokens
+        return cls(
+            train=cfg.train,
+            algo=cfg.algo,
+            temperature=cfg.rollout.temperature or 1.0,
+            total_steps=max(1, policy_steps(cfg) * cfg.train.mini_batches * cfg.train.epochs),
+            max_response_tokens=longest,
+        )
+
+
+def policy_steps(cfg: Config) -> int:
+    """RL steps that update the policy: all but the critic's warm-up (critic.freeze_actor_steps)."""
+    frozen = cfg.critic.freeze_actor_steps if cfg.algo.advantage == "gae" else 0
+    return max(0, cfg.run.steps - frozen)
