@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import weir
 from weir.config import ConfigError, build_config
 from weir.loop.components import _check_vision_run
+from weir.loop.evaluation import eval_config, run_eval
 from weir.train.export import export_model
 from weir.train.model import load_model, resolve_model_path, save_model
 
@@ -113,6 +114,12 @@ def test_each_policy_learns_from_its_own_views_alone(home):
     b0, b1 = _weights(base.dir, "b"), _weights(other.dir, "b")
     assert any(not torch.equal(b0[k], b1[k]) for k in b0)
     assert any(not torch.equal(a0[k], b0[k]) for k in a0)  # and the two policies differ
+
+    # `weir eval RUN_DIR` plays each role with its own final policy: the run's last evaluation
+    evaluated = run_eval(eval_config(str(base.dir)))
+    final = base.evals[-1]
+    for key in ("eval/accuracy", "eval/a/accuracy", "eval/b/accuracy", "eval/reward"):
+        assert evaluated[key] == pytest.approx(final[key]), key
 
     # the final models, one per role, export one at a time
     exported = load_file(export_model(base.dir, home / "export_b", role="b") / "model.safetensors")

@@ -119,3 +119,31 @@ def _check_tokenizer(role: str, path: str, tok: Any, run_tok: Any) -> None:
             f"multi_agent.roles[{role}].model_path={path} has another tokenizer than model.path; "
             "the roles read each other's turns with one tokenizer: use models that share it"
         )
+
+
+def eval_engines(cfg: Config, make_engine: Any) -> tuple[RoleRouter, Any]:
+    """`weir eval` of a run with separate policies: an engine per role on ``<model.path>/<role>``
+    (a run's or checkpoint's ``model/``), or on `model.path` itself for every role when it is one
+    model (the policies before training). Returns the router and the tokenizer."""
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    base = Path(cfg.model.path)
+    device = resolve_device(cfg.train.device, key="train.device")
+    dtype = Precision.from_config(cfg.train, device=device).param_dtype
+    engines: dict[str, Any] = {}
+    tokenizer = None
+    try:
+        for role in cfg.multi_agent.roles:
+            own = base / role.name
+            path = str(own) if (own / "config.json").exists() else cfg.model.path
+            model, tok = load_model(path, dtype, device)
+            if tokenizer is None:
+                tokenizer = tok
+            else:
+                _check_tokenizer(role.name, path, tok, tokenizer)
+            engines[role.name] = make_engine(cfg, model.eval(), tok)
+    except BaseException:
+        for e in engines.values():
+            e.close()
+        raise
+    return RoleRouter(engines), tokenizer
