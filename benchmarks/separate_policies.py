@@ -5,7 +5,8 @@ arithmetic task, the scorer below) trained with ``multi_agent.policies=shared`` 
 each run in a fresh process, alternating shared, separate, shared, ... so that load drifting on the
 machine affects both alike. Per run:
 
-- ``s/step``: the median of ``time/step`` over the steps after the first (which warms up);
+- ``s/step``: the median of ``time/step`` over the steps after the first (which warms up), and
+  of its generation (``time/generate``) and training (``time/train``) parts;
 - peak resident memory of the process (VmHWM), the whole run;
 - the bytes the trainer side holds by construction: parameters, AdamW's two moments and the
   gradients, fp32 (4 + 8 + 4 bytes per parameter), per policy, summed.
@@ -87,7 +88,7 @@ def one_run(model: str, steps: int, seed: int, policies: str) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         result = weir.run(config(model, steps, seed, policies, str(Path(tmp) / "run")))
-    times = [h["time/step"] for h in result.history if "train/loss" in h][1:]
+    steps = [h for h in result.history if "train/loss" in h][1:]
     hwm = next(
         int(line.split()[1]) * 1024
         for line in Path("/proc/self/status").read_text().splitlines()
@@ -101,7 +102,9 @@ def one_run(model: str, steps: int, seed: int, policies: str) -> dict[str, Any]:
     return {
         "policies": policies,
         "seed": seed,
-        "s_per_step": statistics.median(times),
+        "s_per_step": statistics.median(h["time/step"] for h in steps),
+        "generate_s": statistics.median(h["time/generate"] for h in steps),
+        "train_s": statistics.median(h["time/train"] for h in steps),
         "peak_rss_mb": hwm / MB,
         "trainer_state_mb": policies_n * params * 16 / MB,
         "params": params,
@@ -142,8 +145,8 @@ def main() -> None:
         f"{args.model}, {args.steps} steps x 16 prompts x 8 episodes, {args.runs} runs per mode, "
         f"{platform.machine()} {os.cpu_count()} cores, load average {load[0]:.1f}"
     )
-    print("| | s/step | peak RSS (MB) | params + AdamW + grads (MB) |")
-    print("| --- | --- | --- | --- |")
+    print("| | s/step | generate (s) | train (s) | peak RSS (MB) | params + AdamW + grads (MB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for policies in ("shared", "separate"):
         mine = [r for r in rows if r["policies"] == policies]
 
@@ -152,7 +155,8 @@ def main() -> None:
             return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
 
         print(
-            f"| {policies} | {cell('s_per_step', '.3f')} | {cell('peak_rss_mb', '.0f')} | "
+            f"| {policies} | {cell('s_per_step', '.2f')} | {cell('generate_s', '.2f')} | "
+            f"{cell('train_s', '.2f')} | {cell('peak_rss_mb', '.0f')} | "
             f"{cell('trainer_state_mb', '.1f')} |"
         )
     Path(args.out).write_text(json.dumps({"rows": rows, "load": load}, indent=1))

@@ -114,6 +114,12 @@ def test_each_policy_learns_from_its_own_views_alone(home):
     b0, b1 = _weights(base.dir, "b"), _weights(other.dir, "b")
     assert any(not torch.equal(b0[k], b1[k]) for k in b0)
     assert any(not torch.equal(a0[k], b0[k]) for k in a0)  # and the two policies differ
+    # the same config again: the same weights, although b's turns join b's engine in an order
+    # that varies with a's engine's timing (turns are seeded from run seed, version and row)
+    again = weir.run(CONFIG, [f"run.dir={home / 'stop_again'}"])
+    for role, first in (("a", a0), ("b", b0)):
+        second = _weights(again.dir, role)
+        assert all(torch.equal(first[k], second[k]) for k in first), role
 
     # `weir eval RUN_DIR` plays each role with its own final policy: the run's last evaluation
     evaluated = run_eval(eval_config(str(base.dir)))

@@ -175,6 +175,8 @@ def test_aggregate_sums_times_and_weighs_means_by_tokens(values, tokens):
             "train/loss": loss,
             "time/train": abs(t) + 0.1,
             "policy/ratio_max": peak,
+            "adv/adv_min": -peak,
+            "adv/zero_std_groups": 2.0,
             "train/skipped_updates": 1.0,
             "throughput/train_tokens_per_s": 10.0 * (i + 1),
         }
@@ -191,7 +193,9 @@ def test_aggregate_sums_times_and_weighs_means_by_tokens(values, tokens):
     total_time = sum(s["time/train"] for s in per_role.values())
     assert math.isclose(out["time/train"], total_time)
     assert out["policy/ratio_max"] == max(s["policy/ratio_max"] for s in per_role.values())
+    assert out["adv/adv_min"] == min(s["adv/adv_min"] for s in per_role.values())
     assert out["train/skipped_updates"] == len(per_role)
+    assert out["adv/zero_std_groups"] == 2.0 * len(per_role)
     tokens_per_s = sum(
         s["throughput/train_tokens_per_s"] * s["time/train"] for s in per_role.values()
     )

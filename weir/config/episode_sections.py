@@ -86,7 +86,8 @@ class MultiAgentConfig(Section):
     roles: list[RoleConfig] = Field(default_factory=list)
     """The roles, each `{name, prompt, max_new_tokens}`: `name` labels its turns to the others
     (`name: text`) and its metrics; `prompt` is its role prompt (system message; null:
-    data.system_prompt); `max_new_tokens` caps one of its turns (null: rollout.max_new_tokens).
+    data.system_prompt); `max_new_tokens` caps one of its turns (null: rollout.max_new_tokens);
+    `model_path` (policies=separate) is the model its policy starts from (null: model.path).
     E.g. `[{name: proposer, prompt: propose the sum}, {name: checker, prompt: check it}]`."""
     turns: list[str] | None = None
     """Who acts when, by role name, e.g. `[debater_a, debater_b, debater_a, debater_b, judge]`

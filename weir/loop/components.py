@@ -57,9 +57,7 @@ class Components:
     sync: Any = None  # cluster.type=ray: the WeightSync from trainer rank 0 to the engine replicas
     critic: Critic | None = None  # algo.advantage=gae: PPO's value model
     cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
-    policies: Any = (
-        None  # multi_agent.policies=separate: the RolePolicies (weir.loop.role_policies)
-    )
+    policies: Any = None  # multi_agent.policies=separate: weir.loop.role_policies.RolePolicies
 
     def close(self) -> None:
         """Stop the engine (and on Ray the trainer ranks and the placement groups)."""

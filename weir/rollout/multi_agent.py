@@ -105,11 +105,11 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
         ctx.extras["multi_agent_scorer"] if "multi_agent_scorer" in ctx.extras else make_scorer(ma)
     )
     codec = observation_codec(ctx.tokenizer, role="user")  # other roles' turns: user messages
-    if ctx.sampling.seed is None:
-        # later turns reach the engine in the order earlier ones finish, which varies with
-        # batching: seeds from the engine's own stream would differ between two runs, so every
-        # turn gets one from (run seed, weight version, row) instead (`_turn_seed` adds the view,
-        # episode and turn)
+    if ctx.sampling.seed is None and ma.policies == "separate":
+        # a later turn reaches its engine when an earlier one ends, in an order that varies with
+        # batching (and, with an engine per role, with the other engines' timing): seeds from the
+        # engine's own stream would differ between two runs, so every turn gets one from (run
+        # seed, weight version, row) instead (`_turn_seed` adds the view, episode and turn)
         run_seed, version = ctx.extras.get("multi_agent_seed", 0), getattr(ctx.engine, "version", 0)
         ctx = ctx.with_sampling(seed=_turn_seed(run_seed, [row.get("_index", -1)], version, 0))
     episodes = await asyncio.gather(

@@ -8,9 +8,9 @@ view in the batch is not stepped at all (its weights, optimizer and schedule sta
 
 Metrics: each actor's keys once per role with the role after the first component
 (``train/loss`` -> ``train/<role>/loss``), plus the usual aggregate keys the loop, console and
-report read: times and counters summed (the actors train one after the other), throughput over the
-summed time, anything with ``max`` in its name the maximum, the rest the mean weighted by each
-role's trained tokens.
+report read: times and counts summed (the actors train one after the other), throughput over the
+summed time, anything with ``max`` / ``min`` in its name the maximum / minimum, the rest the mean
+weighted by each role's trained tokens.
 """
 
 from __future__ import annotations
@@ -31,8 +31,13 @@ COUNTERS = (
     "train/skipped_steps",
     "train/nonfinite_logprob_samples",
     "train/empty_steps",
+    "adv/groups",
+    "adv/singleton_groups",
+    "adv/zero_std_groups",
+    "adv/nonfinite_rewards",
+    "adv/excluded_tokens",
 )
-"""Aggregate keys that count events: summed over the roles."""
+"""Aggregate keys that count things: summed over the roles."""
 
 
 def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
@@ -93,6 +98,8 @@ def aggregate(per_role: dict[str, dict[str, float]], tokens: dict[str, float]) -
             out[k] = sum(v * times[r] for r, v in have.items()) / total if total > 0 else 0.0
         elif "max" in k:
             out[k] = max(have.values())
+        elif "min" in k:
+            out[k] = min(have.values())
         else:
             weights = {r: tokens.get(r, 0.0) for r in have}
             total = sum(weights.values())
