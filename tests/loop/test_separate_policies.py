@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 import weir
+from weir.cli.main import app
 from weir.config import ConfigError, build_config
 from weir.loop.components import _check_vision_run
 from weir.loop.evaluation import eval_config, run_eval
@@ -133,6 +135,13 @@ def test_each_policy_learns_from_its_own_views_alone(home):
     assert all(torch.equal(exported[k], b0[k]) for k in b0)
     with pytest.raises(ValueError, match=r"a policy per role \(a, b\), no --role: pass --role"):
         export_model(base.dir, home / "export_x")
+    cli = CliRunner()
+    done = cli.invoke(app, ["export", str(base.dir), "--out", str(home / "cli_a"), "--role", "a"])
+    assert done.exit_code == 0, done.output
+    assert (home / "cli_a" / "model.safetensors").exists()
+    refused = cli.invoke(app, ["export", str(base.dir), "--out", str(home / "cli_x")])
+    assert refused.exit_code != 0 and "pass --role NAME" in refused.output
+    assert "Traceback" not in refused.output
 
 
 @pytest.mark.slow
