@@ -11,11 +11,18 @@ import pytest
 ABOVE_ENGINE = {"train", "rollout", "loop", "serve", "cluster", "sync"}
 RULES = {
     "weir.data.sources": {"engine", "train", "rollout", "loop", "serve", "cluster", "sync"},
-    "weir.engine.torch_engine weir.engine.router weir.engine.ray_engine": ABOVE_ENGINE,
+    "weir.engine.torch_engine weir.engine.router weir.engine.ray_engine weir.engine.role_router": ABOVE_ENGINE,
     "weir.rollout.multi_turn weir.rollout.collect": {"train", "loop", "serve", "cluster", "sync"},
     "weir.serve": {"train", "loop", "cluster", "sync"},
     "weir.buffer": {"engine", "train", "rollout", "loop", "serve", "cluster"},
-    "weir.train.actor": {"engine", "rollout", "loop", "serve", "cluster", "sync"},
+    "weir.train.actor weir.train.role_trainer": {
+        "engine",
+        "rollout",
+        "loop",
+        "serve",
+        "cluster",
+        "sync",
+    },
     "weir.sync.coordinator": {"loop", "rollout", "serve"},
     "weir.telemetry.report": {"engine", "train", "rollout", "loop", "serve", "cluster", "sync"},
     "weir.sandbox weir.sandbox.tool": {

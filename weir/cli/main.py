@@ -117,13 +117,17 @@ def export(
     base: Annotated[
         str | None, typer.Option(help="LoRA run: the base model, if not where the run found it.")
     ] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(help="multi_agent.policies=separate: the role whose policy to export."),
+    ] = None,
 ) -> None:
     """Export a checkpoint as a standard Hugging Face model directory (safetensors, config, tokenizer)."""
     from weir.train.export import export_model
 
     if dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"--dtype {dtype}: use float32 or bfloat16")
-    written = export_model(checkpoint, out, dtype, adapter=adapter, base=base)
+    written = export_model(checkpoint, out, dtype, adapter=adapter, base=base, role=role)
     console.print(f"exported to {written}")
 
 

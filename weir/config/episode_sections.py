@@ -74,6 +74,9 @@ class RoleConfig(Section):
     """The role prompt, the system message of this role's view (null: data.system_prompt)."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Most tokens of one turn of this role (null: rollout.max_new_tokens)."""
+    model_path: str | None = None
+    """multi_agent.policies=separate: the model this role's policy starts from (an HF directory or
+    `tiny:` name with the run's tokenizer; null: model.path)."""
 
 
 class MultiAgentConfig(Section):
@@ -83,7 +86,8 @@ class MultiAgentConfig(Section):
     roles: list[RoleConfig] = Field(default_factory=list)
     """The roles, each `{name, prompt, max_new_tokens}`: `name` labels its turns to the others
     (`name: text`) and its metrics; `prompt` is its role prompt (system message; null:
-    data.system_prompt); `max_new_tokens` caps one of its turns (null: rollout.max_new_tokens).
+    data.system_prompt); `max_new_tokens` caps one of its turns (null: rollout.max_new_tokens);
+    `model_path` (policies=separate) is the model its policy starts from (null: model.path).
     E.g. `[{name: proposer, prompt: propose the sum}, {name: checker, prompt: check it}]`."""
     turns: list[str] | None = None
     """Who acts when, by role name, e.g. `[debater_a, debater_b, debater_a, debater_b, judge]`
@@ -100,8 +104,9 @@ class MultiAgentConfig(Section):
     team_weight: float = Field(0.5, ge=0.0, le=1.0)
     """The team reward's weight w under credit=mixed."""
     policies: Literal["shared", "separate"] = "shared"
-    """`shared`: one policy plays every role, told apart by its role prompt. `separate` (a trainer
-    and an engine per role) is refused: not implemented yet."""
+    """`shared`: one policy plays every role, told apart by its role prompt. `separate`: each role
+    has its own policy, a model, trainer (optimizer, schedule, reference) and engine of its own,
+    trained on its own views only (cluster.type=local, engine.type=torch; docs/multi-agent.md)."""
     max_tokens: int = Field(256, ge=1)
     """Most response tokens of one role's view of an episode (its turns and the other roles' turns
     shown to it); also Dr.GRPO's constant normaliser for multi-agent runs."""
@@ -122,10 +127,11 @@ class MultiAgentConfig(Section):
             )
         if self.turns is not None and not self.turns:
             raise ValueError("multi_agent.turns is empty: list who acts when, or leave it null")
-        if self.policies == "separate":
+        with_path = [r.name for r in self.roles if r.model_path is not None]
+        if with_path and self.policies != "separate":
             raise ValueError(
-                "multi_agent.policies=separate (a trainer and an engine per role) is not implemented "
-                "yet; use multi_agent.policies=shared (one policy, told apart by role prompts)"
+                f"multi_agent.roles {with_path} set model_path, which needs a policy per role: set "
+                "multi_agent.policies=separate, or drop model_path"
             )
         if self.credit != "team" and self.scorer is None:
             raise ValueError(

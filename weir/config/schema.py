@@ -207,6 +207,29 @@ class Config(Section):
         return self.algo.correction.mode != "none"
 
     @model_validator(mode="after")
+    def _check_separate_policies(self) -> Config:
+        """multi_agent.policies=separate: what the per-role trainers and engines cannot do yet."""
+        if not self.multi_agent.roles or self.multi_agent.policies != "separate":
+            return self
+        refused = [
+            (
+                self.cluster.type != "local",
+                f"cluster.type={self.cluster.type}",
+                "cluster.type=local",
+            ),
+            (self.engine.type != "torch", f"engine.type={self.engine.type}", "engine.type=torch"),
+            (self.lora.enabled, "lora.enabled=true", "lora.enabled=false"),
+            (self.algo.advantage == "gae", "algo.advantage=gae (a critic)", "grpo, rloo, ..."),
+        ]
+        for bad, what, fix in refused:
+            if bad:
+                raise ValueError(
+                    f"multi_agent.policies=separate does not run with {what} yet: use {fix}, or "
+                    "multi_agent.policies=shared"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check_critic(self) -> Config:
         """algo.advantage=gae trains a critic: what it cannot do yet is refused here."""
         if self.algo.advantage != "gae":

@@ -3,7 +3,8 @@
 ``<run dir>/checkpoints/step_N/`` (written atomically by weir.train.checkpoint):
 
 - ``model/``: the policy as a standard HF directory (safetensors, config, tokenizer): `weir export`
-  copies it, and resuming loads its tensors into the trainer's model;
+  copies it, and resuming loads its tensors into the trainer's model; with
+  multi_agent.policies=separate one such directory per role, ``model/<role>/``;
 - ``trainer.pt``: optimizer and LR-schedule state, the KL coefficient, update counters;
 - ``critic/`` (PPO with a critic): ``model.safetensors``, the value model's weights (only the value
   head when it shares the policy's backbone), and ``state.pt``, its optimizer, schedule, counters;
@@ -61,7 +62,8 @@ def save_run_checkpoint(
             hashed = parts.trainer.save(tmp / TRAINER_DIR)
             save_model_files(parts.model, parts.tokenizer, tmp / MODEL_DIR)
         else:
-            save_model(parts.trained_model(), parts.tokenizer, tmp / MODEL_DIR)
+            for sub, model in parts.policy_models().items():  # sub: "" or a role's name
+                save_model(model, parts.tokenizer, tmp / MODEL_DIR / sub)
             torch.save(parts.trainer.state_dict(), tmp / "trainer.pt")
         if getattr(parts, "critic", None) is not None:
             parts.critic.save(tmp / "critic")
@@ -154,7 +156,8 @@ def restore_run_checkpoint(path: Path, run: Run, parts: Components) -> dict[str,
         parts.trainer.call("load_hf", str(path / MODEL_DIR))
         parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
     else:
-        load_weights(parts.model, path / MODEL_DIR)
+        for sub, model in parts.policy_models().items():
+            load_weights(model, path / MODEL_DIR / sub)
         parts.trainer.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
     if getattr(parts, "critic", None) is not None:
         parts.critic.load(path / "critic")

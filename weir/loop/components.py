@@ -25,6 +25,7 @@ from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
 from weir.loop.engine_memory import check_kv_budget
+from weir.loop.role_policies import build_role_policies
 from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
 from weir.rollout.combine import check_reward
@@ -56,6 +57,7 @@ class Components:
     sync: Any = None  # cluster.type=ray: the WeightSync from trainer rank 0 to the engine replicas
     critic: Critic | None = None  # algo.advantage=gae: PPO's value model
     cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
+    policies: Any = None  # multi_agent.policies=separate: weir.loop.role_policies.RolePolicies
 
     def close(self) -> None:
         """Stop the engine (and on Ray the trainer ranks and the placement groups)."""
@@ -70,11 +72,20 @@ class Components:
             raise RuntimeError("on Ray the driver holds no weights; use Components.save_model")
         return self.model
 
+    def policy_models(self) -> dict[str, torch.nn.Module]:
+        """The trained models by their sub-directory of a checkpoint's ``model/``: ``""`` for the
+        one policy, each role's name with multi_agent.policies=separate."""
+        if self.policies is not None:
+            return dict(self.policies.models)
+        return {"": self.trained_model()}
+
     def save_model(self, run_dir: Path) -> Path:
         """The trainer's current weights as an HF directory, ``<run>/model``. One process: LoRA
         merged (and the adapter alone in ``<run>/adapter``). On Ray the ranks write the weights
         from their shards (one tensor gathered at a time) and the driver adds config and tokenizer."""
         out = run_dir / "model"
+        if self.policies is not None:  # one HF directory per role: <run>/model/<role>
+            return self.policies.save_models(out, self.tokenizer)
         if self.cluster is None:
             return save_final_model(self.model, self.tokenizer, run_dir)
         from weir.train.sharded_checkpoint import save_model_files
@@ -345,7 +356,7 @@ def build(
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
         check_model_path(cfg.model.path)
-    ray_parts = None
+    ray_parts = policies = None
     if cfg.cluster.type == "ray":  # the ranks and replicas load the weights, never the driver
         model, tokenizer = driver_model(cfg, run_dir)
     else:
@@ -358,6 +369,17 @@ def build(
 
         ray_parts = build_ray(cfg, run_dir, run_model_path(cfg, run_dir))
         trainer, engine = ray_parts.trainer, ray_parts.router
+    elif separate_policies(cfg):  # a model, trainer and engine per role
+        policies = build_role_policies(
+            cfg,
+            run_dir,
+            model,
+            tokenizer,
+            run_model_path(cfg, run_dir),
+            make_engine,
+            run_selfcheck if cfg.model.selfcheck else None,
+        )
+        trainer, engine = policies.trainer, policies.engine
     else:
         if cfg.lora.enabled:  # adapters on the trainer's model (weir.train.lora)
             from weir.train.lora import LoraActor, apply_lora
@@ -390,13 +412,22 @@ def build(
             if cfg.engine.urls:  # attached servers may hold other weights: load the trainer's
                 engine.update_weights_sync(trainer.weights(), 0)
     try:
-        return _components(
+        parts = _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
         )
+        parts.policies = policies
+        return parts
     except BaseException:
         if ray_parts is not None:
             ray_parts.shutdown()
+        if policies is not None:
+            policies.engine.close()
         raise
+
+
+def separate_policies(cfg: Config) -> bool:
+    """multi_agent.policies=separate: a policy (model, trainer, engine) per role."""
+    return bool(cfg.multi_agent.roles) and cfg.multi_agent.policies == "separate"
 
 
 def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | None:
@@ -413,6 +444,11 @@ def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | 
 
 def _check_vision_run(cfg: Config) -> None:
     """Refuse, before any work, the parts of a run that would drop a VLM's images."""
+    if separate_policies(cfg):
+        raise ValueError(
+            "multi_agent.policies=separate does not run vision-language models yet: use "
+            "multi_agent.policies=shared, or a text model"
+        )
     if cfg.engine.type != "torch" or cfg.cluster.type != "local":
         raise ValueError(
             f"a vision-language model runs on engine.type=torch with cluster.type=local only (got "

@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from weir.config import Config, load_config
-from weir.loop.components import load_run_model, make_contexts, make_engine, task_rows
+from weir.loop.components import (
+    load_run_model,
+    make_contexts,
+    make_engine,
+    separate_policies,
+    task_rows,
+)
+from weir.loop.role_policies import eval_engines
 from weir.plugins import resolve
 from weir.rollout.evaluate import evaluate
 
@@ -17,9 +24,13 @@ TASK_OVERRIDES = {"humaneval": ["data.max_prompt_tokens=2048"]}
 
 
 def run_eval(cfg: Config) -> dict[str, float]:
-    """Mean reward, accuracy and pass@k of `cfg.model.path` on the eval split."""
-    model, tokenizer = load_run_model(cfg, Path(cfg.run.dir or "runs/eval"))
-    engine = make_engine(cfg, model.eval(), tokenizer)
+    """Mean reward, accuracy and pass@k of `cfg.model.path` on the eval split (a run with
+    multi_agent.policies=separate: each role's policy from ``<model.path>/<role>``)."""
+    if separate_policies(cfg):
+        engine, tokenizer = eval_engines(cfg, make_engine)
+    else:
+        model, tokenizer = load_run_model(cfg, Path(cfg.run.dir or "runs/eval"))
+        engine = make_engine(cfg, model.eval(), tokenizer)
     try:
         _, eval_ctx = make_contexts(cfg, engine, tokenizer)
         fn = resolve(cfg.rollout.function, {}, "rollout.function")

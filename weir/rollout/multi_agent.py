@@ -105,6 +105,13 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
         ctx.extras["multi_agent_scorer"] if "multi_agent_scorer" in ctx.extras else make_scorer(ma)
     )
     codec = observation_codec(ctx.tokenizer, role="user")  # other roles' turns: user messages
+    if ctx.sampling.seed is None and ma.policies == "separate":
+        # a later turn reaches its engine when an earlier one ends, in an order that varies with
+        # batching (and, with an engine per role, with the other engines' timing): seeds from the
+        # engine's own stream would differ between two runs, so every turn gets one from (run
+        # seed, weight version, row) instead (`_turn_seed` adds the view, episode and turn)
+        run_seed, version = ctx.extras.get("multi_agent_seed", 0), getattr(ctx.engine, "version", 0)
+        ctx = ctx.with_sampling(seed=_turn_seed(run_seed, [row.get("_index", -1)], version, 0))
     episodes = await asyncio.gather(
         *(run_episode(ctx, row, ma, scorer, codec, index=i) for i in range(ctx.sampling.n))
     )
@@ -124,11 +131,16 @@ def make_scorer(ma: Any) -> Any:
 
 
 def multi_agent_extras(cfg: Any) -> dict[str, Any]:
-    """What `rollout` reads from ``ctx.extras``: the multi_agent section and its resolved scorer."""
+    """What `rollout` reads from ``ctx.extras``: the multi_agent section, its resolved scorer, and
+    the run's seed (the turns' sampling seeds derive from it)."""
     ma = cfg.multi_agent
     if not ma.roles:
         return {}
-    return {"multi_agent": ma, "multi_agent_scorer": make_scorer(ma)}
+    return {
+        "multi_agent": ma,
+        "multi_agent_scorer": make_scorer(ma),
+        "multi_agent_seed": cfg.run.seed,
+    }
 
 
 async def run_episode(
@@ -167,7 +179,7 @@ async def run_episode(
             max_new_tokens=min(role.max_new_tokens or ctx.sampling.max_new_tokens, budget),
             seed=_turn_seed(ctx.sampling.seed, view.prompt_ids, index, t),
         )
-        (c,) = await ctx.engine.generate(view.prompt_ids + view.ids, params)
+        (c,) = await _engine_of(ctx.engine, name).generate(view.prompt_ids + view.ids, params)
         view.add_turn(c)
         text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         view.turns += 1
@@ -267,6 +279,13 @@ async def _outcome(
     except asyncio.TimeoutError:
         raise TimeoutError(f"the scorer took longer than {ctx.reward_timeout_s} s") from None
     return parse_outcome(await maybe_await(result), episode.roles)
+
+
+def _engine_of(engine: Any, role: str) -> Any:
+    """The engine that generates `role`'s turns: its own under multi_agent.policies=separate
+    (`weir.engine.role_router.RoleRouter.for_role`), else the one shared policy's."""
+    for_role = getattr(engine, "for_role", None)
+    return for_role(role) if for_role is not None else engine
 
 
 def _fail(sample: Sample, message: str) -> None:

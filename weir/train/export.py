@@ -51,6 +51,31 @@ def find_model_dir(source: str | Path, *, sharded_ok: bool = False) -> tuple[Pat
     )
 
 
+def role_dirs(model_dir: Path) -> list[str]:
+    """The roles of a run with multi_agent.policies=separate, whose ``model/`` holds one HF
+    directory per role (``model/<role>/config.json``); [] for a one-policy ``model/``."""
+    if (model_dir / "config.json").exists() or not model_dir.is_dir():
+        return []
+    return sorted(p.parent.name for p in model_dir.glob("*/config.json"))
+
+
+def pick_role(model_dir: Path, origin: dict, role: str | None) -> Path:
+    """`model_dir` itself for one policy, its `role`'s directory for per-role policies; a missing
+    or unknown `role` is refused naming the roles there."""
+    roles = role_dirs(model_dir)
+    if not roles:
+        if role is not None:
+            raise ValueError(f"--role {role}: {model_dir} holds one policy, not one per role")
+        return model_dir
+    if role not in roles:
+        given = "no --role" if role is None else f"--role {role}"
+        raise ValueError(
+            f"{model_dir} holds a policy per role ({', '.join(roles)}), {given}: pass --role NAME"
+        )
+    origin["role"] = role
+    return model_dir / role
+
+
 def export_model(
     source: str | Path,
     out: str | Path,
@@ -58,12 +83,14 @@ def export_model(
     *,
     adapter: bool = False,
     base: str | None = None,
+    role: str | None = None,
 ) -> Path:
     """Write the model of `source` to `out` as safetensors + config + tokenizer, loadable with
     `AutoModelForCausalLM.from_pretrained(out)`; it is loaded and re-saved, so what is written is
     known to load. `dtype` (float32, bfloat16) converts the weights. A LoRA checkpoint is merged
     into its base model (`base` overrides the one it records), or with `adapter` written as the
-    adapter alone (weir.train.lora_export)."""
+    adapter alone (weir.train.lora_export). A run with a policy per role (multi_agent.policies=
+    separate) exports the policy of `role`."""
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -75,6 +102,7 @@ def export_model(
     from weir.train.model import DTYPES
 
     model_dir, origin = find_model_dir(source, sharded_ok=True)
+    model_dir = pick_role(model_dir, origin, role)
     if adapter and origin.get("final") and is_adapter_dir(model_dir.parent / "adapter"):
         model_dir = model_dir.parent / "adapter"  # a finished LoRA run: model/ is merged
     if is_adapter_dir(model_dir):
