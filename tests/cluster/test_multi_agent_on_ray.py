@@ -26,7 +26,7 @@ SMALL = {
         "turns": ["first", "second", "first"],
         "scorer": "tests.cluster.test_multi_agent_on_ray:odd",
         "credit": "mixed",
-        "max_tokens": 12,
+        "max_tokens": 48,
     },
     "telemetry": {"console": False, "dump_rollouts": True},
 }
