@@ -313,7 +313,7 @@ def test_per_role_metrics_and_team_evaluation():
     "overrides, message",
     [
         (["multi_agent.policies=separate", "lora.enabled=true"], "policies=separate does not run"),
-        (["cluster.type=ray"], "cluster.type=ray"),
+        (["multi_agent.policies=separate", "cluster.type=ray"], "cluster.type=ray"),
         (["multi_agent.turns=[a, z]"], "not in multi_agent.roles"),
         (["multi_agent.credit=role"], "needs per-role rewards"),
         (["rollout.function=weir.rollout.single_turn:rollout"], "ignores it"),
@@ -332,14 +332,16 @@ def test_config_refuses_what_it_cannot_run(overrides, message):
         build_config({}, [*base, *overrides])
 
 
-@pytest.mark.parametrize("name", ["proposer_checker", "proposer_checker_quick"])
+@pytest.mark.parametrize("name", ["proposer_checker", "relay", "relay_quick"])
 def test_example_role_prompts_are_the_ones_the_task_trains_in_sft(name):
     from pathlib import Path
 
     from weir.config import load_config
+    from weir.tasks import relay
 
     cfg = load_config(Path(__file__).parents[2] / "examples" / f"{name}.yaml")
-    assert {r.name: r.prompt for r in cfg.multi_agent.roles} == proposer_checker.PROMPTS
+    task = {"proposer_checker": proposer_checker, "relay": relay}[cfg.data.task]
+    assert {r.name: r.prompt for r in cfg.multi_agent.roles} == task.PROMPTS
 
 
 def test_demo_summary_has_each_roles_accuracy_before_and_after():

@@ -1,5 +1,6 @@
 """The trainer on multi-agent episodes: each role's view trains only that role's tokens, with that
-role's advantages; and a proposer and a checker learn together on the CPU."""
+role's advantages; and two roles of a relay (each computing a part the other needs) learn
+together on the CPU."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 
 TOK = build_tokenizer()
-QUICK = str(Path(__file__).parents[2] / "examples" / "proposer_checker_quick.yaml")
+QUICK = str(Path(__file__).parents[2] / "examples" / "relay_quick.yaml")
 
 
 def _episodes() -> list[Group]:
@@ -111,26 +112,25 @@ def warm_model(tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
-def test_proposer_and_checker_learn_together(warm_model, tmp_path):
+def test_relay_roles_and_team_learn_together(warm_model, tmp_path):
     result = weir.run(QUICK, [f"run.dir={tmp_path / 'rl'}", f"model.path={warm_model}"])
-    hist = [h for h in result.history if "reward/proposer/own_mean" in h]
-    assert len(hist) == 15
+    hist = [h for h in result.history if "reward/first/own_mean" in h]
+    assert len(hist) == 12
 
-    def rise(key: str) -> tuple[float, float]:
-        vals = [h[key] for h in hist]
-        return sum(vals[:3]) / 3, sum(vals[-3:]) / 3
-
-    # measured (one run, loaded machine): proposer 0.46 -> 0.53, team 0.34 -> 0.45 over the first
-    # and last three steps; greedy team accuracy 56% -> 89%. The checker keeps accepting (it does
-    # not learn to verify: docs/multi-agent.md), so only the proposer and the team are asserted.
-    for key in ("reward/proposer/own_mean", "reward/team/mean"):
-        start, end = rise(key)
-        assert end > start + 0.03, (key, start, end)
+    # Measured (seeds 0 and 1 of this config, 2026-11-22; seed 0 is the one run here), greedy
+    # held-out accuracy after SFT -> after the 12 steps: team 5% -> 69% and 15% -> 44%, first
+    # 24% -> 89% and 47% -> 61%, second 50% -> 74% and 32% -> 56%. Sampled reward, step 1 ->
+    # mean of the last three: first 0.33 -> 0.48 and 0.29 -> 0.42, team 0.12 -> 0.38 and
+    # 0.13 -> 0.23; the second's sampled reward rose 0.27 -> 0.38 and 0.23 -> 0.24 (too little
+    # in 12 steps to assert; it rises over the demo's 60).
     before, after = result.evals[0], result.evals[-1]
-    assert after["eval/accuracy"] > before["eval/accuracy"] + 0.2, (before, after)
-    assert after["eval/proposer/accuracy"] > before["eval/proposer/accuracy"] + 0.2
+    for key in ("eval/accuracy", "eval/first/accuracy", "eval/second/accuracy"):
+        assert after[key] > before[key] + 0.10, (key, before[key], after[key])
+    for key in ("reward/first/own_mean", "reward/team/mean"):
+        start, end = hist[0][key], sum(h[key] for h in hist[-3:]) / 3
+        assert end > start + 0.05, (key, start, end)
     lines = [json.loads(x) for x in (result.dir / "metrics.jsonl").read_text().splitlines()]
-    for key in ("reward/proposer/mean", "reward/checker/std", "response/checker/length_mean"):
+    for key in ("reward/first/mean", "reward/second/std", "response/second/length_mean"):
         assert key in lines[-1], key
     assert lines[-1]["mismatch/abs_logp_diff"] < 1e-4
 
@@ -148,13 +148,13 @@ def test_multi_agent_episodes_train_in_the_async_loop(warm_model, tmp_path):
             "run.save_model=false",
         ],
     )
-    steps = [h for h in result.history if "reward/checker/mean" in h]
+    steps = [h for h in result.history if "reward/second/mean" in h]
     assert len(steps) == 3
     for h in steps:
-        # 16 prompts x 8 episodes: a proposer view each, a checker view unless the proposer's
-        # turn ran out of tokens; all of them trained
-        assert h["rollout/proposer/samples"] == 16 * 8
-        assert h["rollout/checker/samples"] >= 0.9 * 16 * 8
-        assert h["batch/samples"] == h["rollout/proposer/samples"] + h["rollout/checker/samples"]
+        # 16 prompts x 8 episodes: a view of first each, one of second unless first's turn ran
+        # out of tokens; all of them trained
+        assert h["rollout/first/samples"] == 16 * 8
+        assert h["rollout/second/samples"] >= 0.9 * 16 * 8
+        assert h["batch/samples"] == h["rollout/first/samples"] + h["rollout/second/samples"]
         assert 0.0 <= h["reward/team/mean"] <= 1.0
     assert max(h["staleness/max"] for h in steps) <= 1

@@ -25,6 +25,7 @@ def test_registry():
         "humaneval",
         "shapes",
         "proposer_checker",
+        "relay",
     }
     for name, spec in TASKS.items():
         assert isinstance(spec, TaskSpec) and spec.name == name and spec.description
@@ -34,7 +35,7 @@ def test_registry():
         get_task("arithmetc")
     valid = (
         "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'humaneval', "
-        "'proposer_checker', 'shapes']"
+        "'proposer_checker', 'relay', 'shapes']"
     )
     assert valid in str(e.value) and "did you mean" in str(e.value)
 

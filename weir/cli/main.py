@@ -230,7 +230,7 @@ def demo(
         str,
         typer.Option(
             help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests), "
-            "proposer_checker (two roles, multi-agent) "
+            "relay (two roles learn together, multi-agent), proposer_checker (two roles) "
             "or shapes (a vision-language model on PIL images)."
         ),
     ] = "arithmetic",

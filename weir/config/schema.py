@@ -147,7 +147,7 @@ class Config(Section):
             )
 
     def _check_multi_agent(self) -> None:
-        """multi_agent.roles and the multi-agent rollout function go together; Ray is refused."""
+        """multi_agent.roles and the multi-agent rollout function go together."""
         ma, fn = self.multi_agent, self.rollout.function
         if fn == "weir.rollout.multi_agent:rollout" and not ma.roles:
             raise ValueError(
@@ -161,10 +161,6 @@ class Config(Section):
             raise ValueError(
                 f"multi_agent.roles is set but rollout.function={fn} ignores it; set "
                 "rollout.function=weir.rollout.multi_agent:rollout"
-            )
-        if ma.roles and self.cluster.type == "ray":
-            raise ValueError(
-                "multi-agent episodes are not supported on cluster.type=ray yet; use cluster.type=local"
             )
 
     def _migrate_model_dtype(self) -> None:

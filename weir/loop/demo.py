@@ -1,7 +1,8 @@
 """`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
 
 `--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
-`proposer_checker` (two roles learning together, docs/multi-agent.md),
+`relay` (two roles learning together: each computes a part the other needs, docs/multi-agent.md),
+`proposer_checker` (two roles; the checker learns the base rate, not to verify),
 `code` (functions written from a spec, rewarded by hidden tests run in the sandbox) or `shapes` (a
 tiny Qwen2.5-VL counts shapes and names their colour in PIL images).
 """

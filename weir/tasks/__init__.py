@@ -20,6 +20,7 @@ from weir.tasks import (
     gsm8k,
     humaneval,
     proposer_checker,
+    relay,
     shapes,
 )
 
@@ -50,7 +51,17 @@ TASKS: dict[str, TaskSpec] = {
         reward=m.REWARD,
         description=m.DESCRIPTION,
     )
-    for m in (arithmetic, countdown, gsm8k, calculator, code, humaneval, proposer_checker, shapes)
+    for m in (
+        arithmetic,
+        countdown,
+        gsm8k,
+        calculator,
+        code,
+        humaneval,
+        proposer_checker,
+        relay,
+        shapes,
+    )
 }
 
 

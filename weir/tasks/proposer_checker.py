@@ -3,8 +3,9 @@
 The proposer sees ``47+85`` under its role prompt and proposes a sum; the checker sees the problem
 and ``proposer: 133`` under its own role prompt and answers ``yes`` or ``no``. The scorer rewards
 the team (the checker accepts a correct sum) and each role (the proposer: its sum is right; the
-checker: its verdict is right). Configs: examples/proposer_checker.yaml (the demo) and
-examples/proposer_checker_quick.yaml (CI-sized); see docs/multi-agent.md.
+checker: its verdict is right). Config: examples/proposer_checker.yaml; docs/multi-agent.md shows
+why this pair does not cooperate (the checker learns the base rate, not to verify) and the relay
+task (weir/tasks/relay.py) that does.
 
 SFT data makes both roles weak in a way RL can fix: the proposer's targets are systematically
 wrong (`corrupt`, as in the arithmetic demo) and the checker, shown correct and systematically
