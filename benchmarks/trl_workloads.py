@@ -92,11 +92,11 @@ def split_episode(ids: list[int], end_id: int, tool_id: int, assistant_id: int) 
 
     A model turn runs up to and including `<|end|>`; when the next id is `<|tool|>`, an
     observation runs from it up to and including the next `<|assistant|>`, and the next model turn
-    follows. Returns the model turns (lists of ids) and the number of observation ids; model ids
-    plus observation ids is `len(ids)`.
+    follows. Returns the model turns and the observations (lists of ids); together they are `ids`.
     """
     turns: list[list[int]] = []
-    obs, i = 0, 0
+    observations: list[list[int]] = []
+    i = 0
     while i < len(ids):
         turn: list[int] = []
         while i < len(ids):
@@ -106,18 +106,20 @@ def split_episode(ids: list[int], end_id: int, tool_id: int, assistant_id: int) 
                 break
         turns.append(turn)
         if i < len(ids) and ids[i] == tool_id:
+            obs: list[int] = []
             while i < len(ids):
-                obs += 1
+                obs.append(ids[i])
                 i += 1
-                if ids[i - 1] == assistant_id:
+                if obs[-1] == assistant_id:
                     break
-    return {"turns": turns, "obs_tokens": obs}
+            observations.append(obs)
+    return {"turns": turns, "observations": observations}
 
 
 class EpisodeCounter:
     """The fairness counts of scored episodes, the same function of the same ids on both sides:
-    model tokens, observation tokens, model turns and tool calls (`<calc>` opened in a model turn)
-    per episode, and prompt tokens per sample."""
+    model tokens, observation tokens, model turns, tool calls (`<calc>` opened in a model turn) and
+    tool errors (observations that say `error`) per episode, and prompt tokens per sample."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
@@ -129,19 +131,21 @@ class EpisodeCounter:
             list(response_ids), self.ids[END], self.ids[TOOL], self.ids[ASSISTANT]
         )
         texts = [self.tok.decode(t, skip_special_tokens=False) for t in parts["turns"]]
+        observations = [self.tok.decode(o) for o in parts["observations"]]
         self.rows.append(
             {
                 "prompt_tokens": float(prompt_tokens),
                 "model_tokens": float(sum(len(t) for t in parts["turns"])),
-                "obs_tokens": float(parts["obs_tokens"]),
+                "obs_tokens": float(sum(len(o) for o in parts["observations"])),
                 "turns": float(len(parts["turns"])),
                 "tool_calls": float(sum(len(_CALL_OPEN.findall(t)) for t in texts)),
+                "tool_errors": float(sum("error" in o for o in observations)),
             }
         )
 
     def means(self) -> dict[str, float]:
         """Per-episode means of each count (NaN before any episode)."""
-        keys = ("prompt_tokens", "model_tokens", "obs_tokens", "turns", "tool_calls")
+        keys = ("prompt_tokens", "model_tokens", "obs_tokens", "turns", "tool_calls", "tool_errors")
         n = len(self.rows)
         return {k: (sum(r[k] for r in self.rows) / n if n else float("nan")) for k in keys}
 

@@ -28,8 +28,8 @@ The first step of every run is a warm-up and not counted, nor is weir's last ste
 the final evaluation). weir async runs with loop.max_staleness=1. Printed: median s/step per run,
 the TRL/weir ratio per round (its range over rounds), reward per step (mean and standard error over
 every step), and fairness checks counted inside each process by the same function of the same ids
-(model tokens per step, prompt tokens per sample, model turns, tool calls and observation tokens
-per episode), and optimizer updates per step (a hook on every torch optimizer).
+(model tokens per step, prompt tokens per sample, model turns, tool calls, tool errors and
+observation tokens per episode), and optimizer updates per step (a hook on every torch optimizer).
 
     scripts/setup_trl.sh                                   # once: .venv-trl
     python benchmarks/vs_trl.py                            # A and B, weir sync + async vs TRL, 2 rounds
@@ -492,16 +492,16 @@ def report(results, args, sides, load0) -> None:
     print(
         "| workload | side | s/step (median per run; range over runs) | TRL / side (range over rounds) "
         "| target | reward/step | model tokens/step | prompt tokens/sample | turns/episode "
-        "| tool calls/episode | observation tokens/episode | optimizer updates/step |"
+        "| tool calls/episode | tool errors/episode | observation tokens/episode | optimizer updates/step |"
     )
-    print("|" + " --- |" * 12)
+    print("|" + " --- |" * 13)
     verdicts = []
     for wl in args.workloads:
         trl = results.get((wl, "trl"), [])
         for side in sides:
             runs = [r for r in results.get((wl, side), []) if "error" not in r]
             if not runs:
-                print(f"| {wl} | {side} | failed |" + " |" * 9)
+                print(f"| {wl} | {side} | failed |" + " |" * 10)
                 continue
             sps = [med(r["step_s"][1:]) for r in runs]
             ratios = []
@@ -529,7 +529,8 @@ def report(results, args, sides, load0) -> None:
             print(
                 f"| {wl} | {side} | {span_of(sps)} | {ratio_txt} | {tgt_txt} | {span_of(rewards)} | "
                 f"{span_of(gen)} | {span_of(ep['prompt_tokens'])} | {span_of(ep['turns'])} | "
-                f"{span_of(ep['tool_calls'])} | {span_of(ep['obs_tokens'])} | {span_of(upd)} |"
+                f"{span_of(ep['tool_calls'])} | {span_of(ep['tool_errors'])} | "
+                f"{span_of(ep['obs_tokens'])} | {span_of(upd)} |"
             )
         for side in sides:
             for r in results.get((wl, side), []):

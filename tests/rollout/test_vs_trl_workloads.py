@@ -136,19 +136,31 @@ def test_episode_counts_and_reward_of_a_tool_episode(twl, tok):
     counter = twl.EpisodeCounter(tok)
     counter.add(12, ids)
     counter.add(10, _enc(tok, "4142<|end|>"))  # a guess: one turn, no call
+    bad = "<calc>47*<|end|><|tool|>error: unclosed<|end|><|assistant|>"
+    counter.add(12, _enc(tok, bad + "<calc>47*86</calc><|end|>"))  # an error, then a call cut off
     assert counter.rows[0] == {
         "prompt_tokens": 12.0,
         "model_tokens": 18.0 + 1 + 4 + 1,  # byte tokens of the call, <|end|>, the answer, <|end|>
         "obs_tokens": 1 + 4 + 2,
         "turns": 2.0,
         "tool_calls": 1.0,
+        "tool_errors": 0.0,
+    }
+    assert counter.rows[2] == {
+        "prompt_tokens": 12.0,
+        "model_tokens": 10.0 + 18 + 1,
+        "obs_tokens": 1 + 15 + 2,  # <|tool|>, "error: unclosed", <|end|><|assistant|>
+        "turns": 2.0,
+        "tool_calls": 2.0,
+        "tool_errors": 1.0,
     }
     assert counter.means() == {
-        "prompt_tokens": 11.0,
-        "model_tokens": (24 + 5) / 2,
-        "obs_tokens": 3.5,
-        "turns": 1.5,
-        "tool_calls": 0.5,
+        "prompt_tokens": 34 / 3,
+        "model_tokens": (24 + 5 + 29) / 3,
+        "obs_tokens": (7 + 0 + 18) / 3,
+        "turns": 5 / 3,
+        "tool_calls": 1.0,
+        "tool_errors": 1 / 3,
     }
     assert twl.final_turn_text(tok.decode(ids)) == "4042"
     assert twl.final_turn_text("4042<|end|><|system|><|system|>") == "4042"  # workload B's tail
@@ -163,18 +175,18 @@ def test_episode_counts_and_reward_of_a_tool_episode(twl, tok):
 )
 def test_split_episode_recovers_turns_and_observations(twl, turns, obs, cut):
     """Ids built as turn <end> [<tool> obs.. <assistant>] turn <end> ...: the split gives back the
-    turns and the observation length; any prefix of an episode splits into model + observation ids
-    that add up to its length."""
+    turns and the observations; any prefix of an episode splits into model turns and observations
+    that concatenate back to it."""
     end, tool, asst = 1, 5, 4
-    ids, want_obs = [], 0
+    ids, want_obs = [], []
     for i, t in enumerate(turns):
         ids += [*t, end]
         if i < len(turns) - 1:
-            o = [tool, *(obs[i] if i < len(obs) else []), asst]
-            ids += o
-            want_obs += len(o)
+            want_obs.append([tool, *(obs[i] if i < len(obs) else []), asst])
+            ids += want_obs[-1]
     got = twl.split_episode(ids, end, tool, asst)
     assert got["turns"] == [[*t, end] for t in turns]
-    assert got["obs_tokens"] == want_obs
+    assert got["observations"] == want_obs
     part = twl.split_episode(ids[:cut], end, tool, asst)
-    assert sum(map(len, part["turns"])) + part["obs_tokens"] == len(ids[:cut])
+    pieces = [x for pair in zip(part["turns"], [*part["observations"], []]) for x in pair]
+    assert [t for p in pieces for t in p] == ids[:cut]
