@@ -32,7 +32,7 @@ every step), and fairness checks counted inside each process by the same functio
 observation tokens per episode), and optimizer updates per step (a hook on every torch optimizer).
 
     scripts/setup_trl.sh                                   # once: .venv-trl
-    python benchmarks/vs_trl.py                            # A and B, weir sync + async vs TRL, 2 rounds
+    python benchmarks/vs_trl.py                            # A, B and C, weir sync + async vs TRL, 2 rounds
     python benchmarks/vs_trl.py --workloads A --rounds 3 --steps 8
     python benchmarks/vs_trl.py --workloads C              # multi-turn tool use only
 """
