@@ -17,8 +17,20 @@ tokens are masked out of the loss on both sides. Both sides call this module's `
 the system turn (TRL always renders `tools=` into the prompt; weir with agent.show_tools), so the
 SFT rows carry the same tool list as a system message (`tools_system_text`).
 
+Where the two loops still differ (each side runs its own code; the measured runs had 0 tool
+errors, and at most 1.6% of weir's episodes a step ended truncated, by turns or by tokens):
+
+- a malformed call (`<calc>47*` left open): weir's parser reports it and the observation is
+  `error: ...`; TRL's parser passes the rest of the turn to `calc`, whose exception becomes the
+  observation `{'error': ...}`. Both go on with an error observation of different text.
+- several calls in one turn: weir shows one observation with a line per result, TRL one tool turn
+  per call.
+- the token budget: weir asks for at most the tokens left, TRL generates up to
+  max_completion_length a turn and cuts the excess (the same tokens; TRL may compute more); weir
+  drops an observation that would reach the budget, TRL one that would pass it.
+
 This module imports no weir and no TRL at import time: it is loaded by the weir process and by the
-TRL process (.venv-trl has no weir), and by tests/rollout/test_trl_workloads.py.
+TRL process (.venv-trl has no weir), and by tests/rollout/test_vs_trl_workloads.py.
 """
 
 from __future__ import annotations
