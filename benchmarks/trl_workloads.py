@@ -131,16 +131,22 @@ def split_episode(ids: list[int], end_id: int, tool_id: int, assistant_id: int) 
 class EpisodeCounter:
     """The fairness counts of scored episodes, the same function of the same ids on both sides:
     model tokens, observation tokens, model turns, tool calls (`<calc>` opened in a model turn) and
-    tool errors (observations that say `error`) per episode, and prompt tokens per sample."""
+    tool errors (observations that say `error`) per episode, and prompt tokens per sample.
+    Without `multi_turn` a response is one model turn (in workload B the model writes on past its
+    `<|end|>`, and what follows is no observation)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, multi_turn: bool = True) -> None:
         self.tok = tokenizer
+        self.multi_turn = multi_turn
         self.ids = {k: tokenizer.convert_tokens_to_ids(k) for k in (END, TOOL, ASSISTANT)}
         self.rows: list[dict[str, float]] = []
 
     def add(self, prompt_tokens: int, response_ids: list[int]) -> None:
-        parts = split_episode(
-            list(response_ids), self.ids[END], self.ids[TOOL], self.ids[ASSISTANT]
+        ids = list(response_ids)
+        parts = (
+            split_episode(ids, self.ids[END], self.ids[TOOL], self.ids[ASSISTANT])
+            if self.multi_turn
+            else {"turns": [ids], "observations": []}
         )
         texts = [self.tok.decode(t, skip_special_tokens=False) for t in parts["turns"]]
         observations = [self.tok.decode(o) for o in parts["observations"]]

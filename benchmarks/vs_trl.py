@@ -152,15 +152,15 @@ def weir_worker(spec: dict) -> dict:
     register_optimizer_step_post_hook(lambda *a: updates.__setitem__(0, updates[0] + 1))
     from transformers import AutoTokenizer
 
+    w = WORKLOADS[spec["workload"]]
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    counts = twl.EpisodeCounter(tok)
+    counts = twl.EpisodeCounter(tok, multi_turn=w["tools"])
 
     def reward(sample, row) -> float:
         if row.get("split") != "test":  # the final evaluation's episodes are not a step's
             counts.add(len(sample.prompt_ids), sample.response_ids)
         return answer_reward(tok, sample.response_ids, row["answer"])
 
-    w = WORKLOADS[spec["workload"]]
     cfg = {
         "run": {
             "name": "vs_trl",
@@ -250,7 +250,7 @@ def trl_worker(spec: dict) -> dict:
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
-    counts = twl.EpisodeCounter(tok)
+    counts = twl.EpisodeCounter(tok, multi_turn=w["tools"])
     tools = twl.trl_tool_setup(tok) if w["tools"] else {"config": {}, "trainer": {}}
     shown_tools = tools["trainer"].get("tools") or None  # what GRPOTrainer renders into prompts
 

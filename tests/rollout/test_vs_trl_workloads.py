@@ -162,6 +162,16 @@ def test_episode_counts_and_reward_of_a_tool_episode(twl, tok):
         "tool_calls": 1.0,
         "tool_errors": 1 / 3,
     }
+    single = twl.EpisodeCounter(tok, multi_turn=False)  # workload B: writes on past <|end|>
+    single.add(10, _enc(tok, "41<|end|><|tool|>42<|end|><|assistant|>x"))
+    assert single.rows[0] == {
+        "prompt_tokens": 10.0,
+        "model_tokens": 2 + 1 + 1 + 2 + 1 + 1 + 1.0,
+        "obs_tokens": 0.0,
+        "turns": 1.0,
+        "tool_calls": 0.0,
+        "tool_errors": 0.0,
+    }
     assert twl.final_turn_text(tok.decode(ids)) == "4042"
     assert twl.final_turn_text("4042<|end|><|system|><|system|>") == "4042"  # workload B's tail
     assert twl.final_turn_text(turn1 + obs + "<calc>1*2</calc><|end|>") == "<calc>1*2</calc>"
