@@ -257,7 +257,7 @@ def trl_worker(spec: dict) -> dict:
     def reward(prompts, answer, completion_ids, **kwargs) -> list[float]:
         out = []
         for p, a, ids in zip(prompts, answer, completion_ids, strict=True):
-            # `prompts` are the dataset's messages: render them as GRPOTrainer does (with tools=)
+            # the dataset's one user message, rendered as GRPOTrainer renders it (with tools=)
             text_p = tok.apply_chat_template(
                 p[:1], tools=shown_tools, add_generation_prompt=True, tokenize=False
             )
