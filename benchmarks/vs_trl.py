@@ -18,7 +18,9 @@ Workloads:
      the model SFT'd as examples/calculator.yaml (40% of problems with the tool). weir runs
      weir.rollout.multi_turn:rollout; TRL its GRPOTrainer tool loop (`tools=[calc]`,
      max_tool_calling_iterations=2). Same tool function, same prompt and observation ids: see
-     benchmarks/trl_workloads.py for how the two were matched.
+     benchmarks/trl_workloads.py for how the two were matched. Both sides take C's prompts in
+     file order (weir data.shuffle false, TRL shuffle_dataset=False): the same 16 problems a
+     step, since they differ widely in difficulty (A and B: each side's own seeded shuffle).
 The reward (both sides, all workloads): 1 when the decoded final model turn (the text after the last
 `<|assistant|>`) up to its first `<|end|>` is the answer, else 0.
 
@@ -62,6 +64,9 @@ WORKLOADS = {
     "B": {"prompts": 8, "max_new_tokens": 128, "eos": False, "steps": 5, "tools": False},
     "C": {"prompts": 16, "max_new_tokens": twl.MAX_TOKENS, "eos": True, "steps": 8, "tools": True},
 }
+# C's problems differ widely in difficulty (a 3-digit result is copied worse than a 4-digit one), so
+# both sides take its prompts in file order (no shuffle), the same 16 each step
+IN_ORDER = {"A": False, "B": False, "C": True}
 N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -155,10 +160,19 @@ def weir_worker(spec: dict) -> dict:
     w = WORKLOADS[spec["workload"]]
     tok = AutoTokenizer.from_pretrained(spec["model"])
     counts = twl.EpisodeCounter(tok, multi_turn=w["tools"])
+    seen: set[str] = set()
 
     def reward(sample, row) -> float:
         if row.get("split") != "test":  # the final evaluation's episodes are not a step's
             counts.add(len(sample.prompt_ids), sample.response_ids)
+            seen.add(row["prompt"])
+        if os.environ.get("DUMP") and row.get("split") != "test":
+            with open(os.environ["DUMP"], "a") as f:
+                r = answer_reward(tok, sample.response_ids, row["answer"])
+                f.write(
+                    json.dumps({"a": row["answer"], "r": r, "t": tok.decode(sample.response_ids)})
+                    + "\n"
+                )
         return answer_reward(tok, sample.response_ids, row["answer"])
 
     cfg = {
@@ -178,6 +192,7 @@ def weir_worker(spec: dict) -> dict:
             "source": spec["prompts"],
             "eval_source": spec["eval"],
             "eval_size": 16,
+            "shuffle": not IN_ORDER[spec["workload"]],
         },
         "rollout": {
             "n": N,
@@ -210,7 +225,10 @@ def weir_worker(spec: dict) -> dict:
         "samples": [m.get("rollout/samples", float("nan")) for m in steps],
         "episodes_scored": len(counts.rows),
         "episode": counts.means(),
+        "prompts_seen": sorted(seen),
         "optimizer_updates": updates[0],
+        # weir's own count, to check the one above: tool calls per episode over the run's steps
+        "own_tool_calls": statistics.fmean(m.get("agent/tool_calls_mean", 0.0) for m in steps),
         "split": {
             k: statistics.median(m.get(k, 0.0) for m in timed[1:] or timed)
             for k in ("time/generate", "time/train", "time/sync", "time/wait_for_batch")
@@ -251,6 +269,7 @@ def trl_worker(spec: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
     counts = twl.EpisodeCounter(tok, multi_turn=w["tools"])
+    seen: set[str] = set()
     tools = twl.trl_tool_setup(tok) if w["tools"] else {"config": {}, "trainer": {}}
     shown_tools = tools["trainer"].get("tools") or None  # what GRPOTrainer renders into prompts
 
@@ -262,7 +281,11 @@ def trl_worker(spec: dict) -> dict:
                 p[:1], tools=shown_tools, add_generation_prompt=True, tokenize=False
             )
             counts.add(len(tok(text_p, add_special_tokens=False)["input_ids"]), ids)
+            seen.add(p[0]["content"])
             out.append(answer_reward(tok, ids, a))
+            if os.environ.get("DUMP"):
+                with open(os.environ["DUMP"], "a") as f:
+                    f.write(json.dumps({"a": a, "r": out[-1], "t": tok.decode(ids)}) + "\n")
         return out
 
     class Clock(TrainerCallback):
@@ -309,6 +332,7 @@ def trl_worker(spec: dict) -> dict:
         loss_type="dapo",
         scale_rewards="group",
         mask_truncated_completions=False,
+        shuffle_dataset=not IN_ORDER[spec["workload"]],
         **tools["config"],
         logging_steps=1,
         report_to="none",
@@ -335,7 +359,12 @@ def trl_worker(spec: dict) -> dict:
         "samples": [float(batch)] * len(clock.logs),
         "episodes_scored": len(counts.rows),
         "episode": counts.means(),
+        "prompts_seen": sorted(seen),
         "optimizer_updates": updates[0],
+        # TRL's own count, to check the one above: tool calls per completion over the run's steps
+        "own_tool_calls": statistics.fmean(
+            lg.get("tools/call_frequency", 0.0) for lg in clock.logs
+        ),
     }
 
 
@@ -533,6 +562,18 @@ def report(results, args, sides, load0) -> None:
                 f"{span_of(ep['obs_tokens'])} | {span_of(upd)} |"
             )
         for side in sides:
+            if IN_ORDER[wl] and side != "trl":  # async may draw one batch more than it trains
+                same = [
+                    set(t["prompts_seen"]) <= set(r["prompts_seen"])
+                    for t, r in zip(trl, results.get((wl, side), []), strict=False)
+                    if "error" not in t and "error" not in r
+                ]
+                print(f"  {wl} {side} drew every prompt TRL drew, per round: {same}")
+            if WORKLOADS[wl]["tools"]:  # TRL counts only the calls it ran (not a last turn's)
+                own = [r["own_tool_calls"] for r in results.get((wl, side), []) if "error" not in r]
+                print(
+                    f"  {wl} {side} tool calls/episode by the framework's own metric: {span_of(own)}"
+                )
             for r in results.get((wl, side), []):
                 if "split" in r:
                     s = r["split"]
