@@ -17,8 +17,9 @@ tokens are masked out of the loss on both sides. Both sides call this module's `
 the system turn (TRL always renders `tools=` into the prompt; weir with agent.show_tools), so the
 SFT rows carry the same tool list as a system message (`tools_system_text`).
 
-Where the two loops still differ (each side runs its own code; the measured runs had 0 tool
-errors, and at most 1.6% of weir's episodes a step ended truncated, by turns or by tokens):
+Where the two loops still differ (each side runs its own code; in the README's runs weir counted
+22 tool errors or malformed calls in 6144 episodes, and at most 2.3% of a step's episodes ended
+truncated, by turns or by tokens):
 
 - a malformed call (`<calc>47*` left open): weir's parser reports it and the observation is
   `error: ...`; TRL's parser passes the rest of the turn to `calc`, whose exception becomes the
