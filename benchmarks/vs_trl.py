@@ -166,13 +166,6 @@ def weir_worker(spec: dict) -> dict:
         if row.get("split") != "test":  # the final evaluation's episodes are not a step's
             counts.add(len(sample.prompt_ids), sample.response_ids)
             seen.add(row["prompt"])
-        if os.environ.get("DUMP") and row.get("split") != "test":
-            with open(os.environ["DUMP"], "a") as f:
-                r = answer_reward(tok, sample.response_ids, row["answer"])
-                f.write(
-                    json.dumps({"a": row["answer"], "r": r, "t": tok.decode(sample.response_ids)})
-                    + "\n"
-                )
         return answer_reward(tok, sample.response_ids, row["answer"])
 
     cfg = {
@@ -283,9 +276,6 @@ def trl_worker(spec: dict) -> dict:
             counts.add(len(tok(text_p, add_special_tokens=False)["input_ids"]), ids)
             seen.add(p[0]["content"])
             out.append(answer_reward(tok, ids, a))
-            if os.environ.get("DUMP"):
-                with open(os.environ["DUMP"], "a") as f:
-                    f.write(json.dumps({"a": a, "r": out[-1], "t": tok.decode(ids)}) + "\n")
         return out
 
     class Clock(TrainerCallback):
