@@ -12,21 +12,31 @@ Workloads:
   B  8 prompts x 8, 128 generated tokens each: the same model with its end-of-turn token no longer
      the EOS token (both sides' tokenizer and generation config name `<|system|>` instead, which the
      model never writes), so every response runs to max_new_tokens=128.
-The reward (both sides, both workloads): 1 when the decoded response up to the first `<|end|>` is
-the answer, else 0.
+  C  multi-turn tool use, weir's calculator agent: 16 prompts x 8 episodes of 2-digit x 2-digit
+     multiplications (`47*86`), a `calc` tool called in the tag format (`<calc>47*86</calc>`), the
+     result shown as a tool turn (not trained on), at most 3 model turns and 64 response tokens;
+     the model SFT'd as examples/calculator.yaml (40% of problems with the tool). weir runs
+     weir.rollout.multi_turn:rollout; TRL its GRPOTrainer tool loop (`tools=[calc]`,
+     max_tool_calling_iterations=2). Same tool function, same prompt and observation ids: see
+     benchmarks/trl_workloads.py for how the two were matched. Both sides take C's prompts in
+     file order (weir data.shuffle false, TRL shuffle_dataset=False): the same 16 problems a
+     step, since they differ widely in difficulty (A and B: each side's own seeded shuffle).
+The reward (both sides, all workloads): 1 when the decoded final model turn (the text after the last
+`<|assistant|>`) up to its first `<|end|>` is the answer, else 0.
 
 Each run is its own process (weir in .venv, TRL in .venv-trl: `scripts/setup_trl.sh`). The sides
 alternate within a round, and the order rotates between rounds, so machine load hits all alike.
 The first step of every run is a warm-up and not counted, nor is weir's last step (it also runs
 the final evaluation). weir async runs with loop.max_staleness=1. Printed: median s/step per run,
 the TRL/weir ratio per round (its range over rounds), reward per step (mean and standard error over
-every step), and fairness checks counted inside each process (generated tokens per step, prompt
-tokens per sample, optimizer updates per step, the last by a hook on every torch optimizer).
-Not included: a multi-turn workload (TRL 1.16's GRPOTrainer has tool calling; not set up yet).
+every step), and fairness checks counted inside each process by the same function of the same ids
+(model tokens per step, prompt tokens per sample, model turns, tool calls, tool errors and
+observation tokens per episode), and optimizer updates per step (a hook on every torch optimizer).
 
     scripts/setup_trl.sh                                   # once: .venv-trl
-    python benchmarks/vs_trl.py                            # A and B, weir sync + async vs TRL, 2 rounds
+    python benchmarks/vs_trl.py                            # A, B and C, weir sync + async vs TRL, 2 rounds
     python benchmarks/vs_trl.py --workloads A --rounds 3 --steps 8
+    python benchmarks/vs_trl.py --workloads C              # multi-turn tool use only
 """
 
 from __future__ import annotations
@@ -43,12 +53,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # trl_workloads, for both sides' processes
+
+import trl_workloads as twl  # noqa: E402
 
 WORKLOADS = {
-    # prompts per step, max new tokens, whether EOS ends a response, default steps per run
-    "A": {"prompts": 32, "max_new_tokens": 8, "eos": True, "steps": 12},
-    "B": {"prompts": 8, "max_new_tokens": 128, "eos": False, "steps": 5},
+    # prompts per step, max new tokens (C: per episode), whether EOS ends a response, default
+    # steps per run, multi-turn tool use
+    "A": {"prompts": 32, "max_new_tokens": 8, "eos": True, "steps": 12, "tools": False},
+    "B": {"prompts": 8, "max_new_tokens": 128, "eos": False, "steps": 5, "tools": False},
+    "C": {"prompts": 16, "max_new_tokens": twl.MAX_TOKENS, "eos": True, "steps": 8, "tools": True},
 }
+# C's problems differ widely in difficulty (a 3-digit result is copied worse than a 4-digit one), so
+# both sides take its prompts in file order (no shuffle), the same 16 each step
+IN_ORDER = {"A": False, "B": False, "C": True}
 N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -58,20 +76,21 @@ END_OF_TURN = "<|end|>"
 
 
 def answer_reward(tokenizer, response_ids: list[int], answer: str) -> float:
-    """1.0 when the response's text up to the first end-of-turn token is the answer, else 0.0.
+    """1.0 when the final model turn's text up to its end-of-turn token is the answer, else 0.0.
 
     Both sides decode the generated ids with the same tokenizer (special tokens kept), so the
-    reward is the same function of the same tokens; in B the text after `<|end|>` is ignored.
+    reward is the same function of the same tokens; in B the text after `<|end|>` is ignored, in C
+    everything before the last `<|assistant|>` (tool calls and their results).
     """
     text = tokenizer.decode(response_ids, skip_special_tokens=False)
-    return float(text.split(END_OF_TURN, 1)[0].strip() == str(answer))
+    return float(twl.final_turn_text(text).strip() == str(answer))
 
 
 # --------------------------------------------------------------------------------- preparation
 
 
 def prepare(workdir: Path, sft_rows: int, sft_epochs: int) -> dict[str, Path]:
-    """The SFT'd model (made once, reused), its no-EOS copy for B, and the prompt files."""
+    """The SFT'd model (made once, reused), its no-EOS copy for B, and the prompt files of A/B."""
     import weir
     from weir.tasks.arithmetic import make_rows
 
@@ -102,7 +121,10 @@ def prepare(workdir: Path, sft_rows: int, sft_epochs: int) -> dict[str, Path]:
     for path, split, n in ((prompts, "train", 4000), (held_out, "test", 16)):
         rows = make_rows(split, n, seed=0, digits=2)
         path.write_text(
-            "".join(json.dumps({k: r[k] for k in ("prompt", "answer")}) + "\n" for r in rows)
+            "".join(
+                json.dumps({"prompt": r["prompt"], "answer": r["answer"], "split": split}) + "\n"
+                for r in rows
+            )
         )
     return {"model": model, "model_noeos": noeos, "prompts": prompts, "eval": held_out}
 
@@ -135,15 +157,17 @@ def weir_worker(spec: dict) -> dict:
     register_optimizer_step_post_hook(lambda *a: updates.__setitem__(0, updates[0] + 1))
     from transformers import AutoTokenizer
 
+    w = WORKLOADS[spec["workload"]]
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    tokens: dict[str, list[int]] = {"gen": [], "prompt": []}
+    counts = twl.EpisodeCounter(tok, multi_turn=w["tools"])
+    seen: set[str] = set()
 
     def reward(sample, row) -> float:
-        tokens["gen"].append(len(sample.response_ids))
-        tokens["prompt"].append(len(sample.prompt_ids))
+        if row.get("split") != "test":  # the final evaluation's episodes are not a step's
+            counts.add(len(sample.prompt_ids), sample.response_ids)
+            seen.add(row["prompt"])
         return answer_reward(tok, sample.response_ids, row["answer"])
 
-    w = WORKLOADS[spec["workload"]]
     cfg = {
         "run": {
             "name": "vs_trl",
@@ -161,6 +185,7 @@ def weir_worker(spec: dict) -> dict:
             "source": spec["prompts"],
             "eval_source": spec["eval"],
             "eval_size": 16,
+            "shuffle": not IN_ORDER[spec["workload"]],
         },
         "rollout": {
             "n": N,
@@ -180,6 +205,9 @@ def weir_worker(spec: dict) -> dict:
         "loop": {"mode": spec["mode"], "max_staleness": 1},
         "telemetry": {"console": False, "trace": False},
     }
+    if w["tools"]:
+        for section, keys in twl.weir_agent_config().items():
+            cfg[section] = {**cfg.get(section, {}), **keys}
     result = weir.run(cfg, reward=reward)
     steps = [m for m in result.history if "reward/mean" in m]
     # the last step also evaluates (run.steps is always an eval step): its time is not a step's
@@ -187,11 +215,13 @@ def weir_worker(spec: dict) -> dict:
     return {
         "step_s": [m["time/step"] for m in timed],
         "reward": [m["reward/mean"] for m in steps],
-        "gen_tokens": [m.get("rollout/gen_tokens", float("nan")) for m in steps],
-        "samples_scored": len(tokens["gen"]),
-        "gen_tokens_scored": sum(tokens["gen"]),
-        "prompt_tokens_mean": statistics.mean(tokens["prompt"]) if tokens["prompt"] else 0.0,
+        "samples": [m.get("rollout/samples", float("nan")) for m in steps],
+        "episodes_scored": len(counts.rows),
+        "episode": counts.means(),
+        "prompts_seen": sorted(seen),
         "optimizer_updates": updates[0],
+        # weir's own count, to check the one above: tool calls per episode over the run's steps
+        "own_tool_calls": statistics.fmean(m.get("agent/tool_calls_mean", 0.0) for m in steps),
         "split": {
             k: statistics.median(m.get(k, 0.0) for m in timed[1:] or timed)
             for k in ("time/generate", "time/train", "time/sync", "time/wait_for_batch")
@@ -228,17 +258,23 @@ def trl_worker(spec: dict) -> dict:
             for r in rows
         ]
     )
-    tokens: dict[str, list[int]] = {"gen": [], "prompt": []}
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
+    counts = twl.EpisodeCounter(tok, multi_turn=w["tools"])
+    seen: set[str] = set()
+    tools = twl.trl_tool_setup(tok) if w["tools"] else {"config": {}, "trainer": {}}
+    shown_tools = tools["trainer"].get("tools") or None  # what GRPOTrainer renders into prompts
 
     def reward(prompts, answer, completion_ids, **kwargs) -> list[float]:
         out = []
         for p, a, ids in zip(prompts, answer, completion_ids, strict=True):
-            tokens["gen"].append(len(ids))
-            text_p = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            tokens["prompt"].append(len(tok(text_p, add_special_tokens=False)["input_ids"]))
+            # the dataset's one user message, rendered as GRPOTrainer renders it (with tools=)
+            text_p = tok.apply_chat_template(
+                p[:1], tools=shown_tools, add_generation_prompt=True, tokenize=False
+            )
+            counts.add(len(tok(text_p, add_special_tokens=False)["input_ids"]), ids)
+            seen.add(p[0]["content"])
             out.append(answer_reward(tok, ids, a))
         return out
 
@@ -286,6 +322,8 @@ def trl_worker(spec: dict) -> dict:
         loss_type="dapo",
         scale_rewards="group",
         mask_truncated_completions=False,
+        shuffle_dataset=not IN_ORDER[spec["workload"]],
+        **tools["config"],
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -301,21 +339,22 @@ def trl_worker(spec: dict) -> dict:
         train_dataset=ds,
         processing_class=tok,
         callbacks=[clock],
+        **tools["trainer"],
     )
     clock.t = time.perf_counter()
     trainer.train()
     return {
         "step_s": clock.step_s,
         "reward": [lg["reward"] for lg in clock.logs],
-        "gen_tokens": [
-            lg.get("completions/mean_length", float("nan")) * batch for lg in clock.logs
-        ],
-        "samples_scored": len(tokens["gen"]),
-        "gen_tokens_scored": sum(tokens["gen"]),
-        "prompt_tokens_mean": statistics.mean(tokens["prompt"])
-        if tokens["prompt"]
-        else float("nan"),
+        "samples": [float(batch)] * len(clock.logs),
+        "episodes_scored": len(counts.rows),
+        "episode": counts.means(),
+        "prompts_seen": sorted(seen),
         "optimizer_updates": updates[0],
+        # TRL's own count, to check the one above: tool calls per completion over the run's steps
+        "own_tool_calls": statistics.fmean(
+            lg.get("tools/call_frequency", 0.0) for lg in clock.logs
+        ),
     }
 
 
@@ -361,20 +400,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workloads", nargs="+", default=["A", "B"], choices=sorted(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
     ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     ap.add_argument(
         "--steps",
         type=int,
         nargs="+",
         default=None,
-        help="steps per run, one number per workload (default: A 12, B 5; the first is a warm-up)",
+        help="steps per run, one number per workload (default: A 12, B 5, C 8; the first is a warm-up)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (order rotates)")
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "vs_trl"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--sft-rows", type=int, default=8000)
     ap.add_argument("--sft-epochs", type=int, default=3)
+    ap.add_argument("--calc-sft-rows", type=int, default=5000, help="C: SFT problems")
+    ap.add_argument("--calc-sft-epochs", type=int, default=4, help="C: SFT epochs")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--worker", choices=["weir", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -390,7 +431,13 @@ def main() -> None:
     if not Path(args.trl_python).exists():
         sys.exit(f"vs_trl: no TRL environment at {args.trl_python}; run scripts/setup_trl.sh first")
     workdir = Path(args.workdir)
-    paths = prepare(workdir, args.sft_rows, args.sft_epochs)
+    paths: dict[str, dict[str, Path]] = {}
+    if {"A", "B"} & set(args.workloads):
+        ab = prepare(workdir, args.sft_rows, args.sft_epochs)
+        paths["A"] = {**ab}
+        paths["B"] = {**ab, "model": ab["model_noeos"]}
+    if "C" in args.workloads:
+        paths["C"] = twl.prepare_calculator(workdir, args.calc_sft_rows, args.calc_sft_epochs)
     sides = ["trl", *(f"weir-{m}" for m in args.modes)]
     counts = args.steps or [WORKLOADS[w]["steps"] for w in args.workloads]
     if len(counts) != len(args.workloads):
@@ -417,9 +464,9 @@ def main() -> None:
                     "seed": rnd,
                     "steps": steps[wl],
                     "run_dir": str(run_dir),
-                    "model": str(paths["model"] if WORKLOADS[wl]["eos"] else paths["model_noeos"]),
-                    "prompts": str(paths["prompts"]),
-                    "eval": str(paths["eval"]),
+                    "model": str(paths[wl]["model"]),
+                    "prompts": str(paths[wl]["prompts"]),
+                    "eval": str(paths[wl]["eval"]),
                 }
                 python = args.trl_python if side == "trl" else sys.executable
                 t0 = time.perf_counter()
@@ -462,16 +509,18 @@ def report(results, args, sides, load0) -> None:
     )
     print()
     print(
-        "| workload | side | s/step (median per run; range over runs) | TRL / side (range over rounds) | target | reward/step | gen tokens/step | prompt tokens/sample | optimizer updates/step |"
+        "| workload | side | s/step (median per run; range over runs) | TRL / side (range over rounds) "
+        "| target | reward/step | model tokens/step | prompt tokens/sample | turns/episode "
+        "| tool calls/episode | tool errors/episode | observation tokens/episode | optimizer updates/step |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("|" + " --- |" * 13)
     verdicts = []
     for wl in args.workloads:
         trl = results.get((wl, "trl"), [])
         for side in sides:
             runs = [r for r in results.get((wl, side), []) if "error" not in r]
             if not runs:
-                print(f"| {wl} | {side} | failed | | | | | | |")
+                print(f"| {wl} | {side} | failed |" + " |" * 10)
                 continue
             sps = [med(r["step_s"][1:]) for r in runs]
             ratios = []
@@ -479,8 +528,9 @@ def report(results, args, sides, load0) -> None:
                 if side != "trl" and i < len(trl) and "error" not in trl[i] and "error" not in r:
                     ratios.append(med(trl[i]["step_s"][1:]) / med(r["step_s"][1:]))
             rewards = [statistics.mean(r["reward"]) for r in runs]
-            gen = [statistics.mean(r["gen_tokens"]) for r in runs]
-            prompt = [r["prompt_tokens_mean"] for r in runs]
+            # per-episode means of the counts taken inside each process, x episodes per step
+            gen = [r["episode"]["model_tokens"] * statistics.mean(r["samples"]) for r in runs]
+            ep = {k: [r["episode"][k] for r in runs] for k in runs[0]["episode"]}
             upd = [r["optimizer_updates"] / max(1, len(r["reward"])) for r in runs]
             target = TARGETS.get(side.split("-")[-1]) if side != "trl" else None
             ratio_txt = span_of(ratios) if ratios else "-"
@@ -497,9 +547,23 @@ def report(results, args, sides, load0) -> None:
                 )
             print(
                 f"| {wl} | {side} | {span_of(sps)} | {ratio_txt} | {tgt_txt} | {span_of(rewards)} | "
-                f"{span_of(gen)} | {span_of(prompt)} | {span_of(upd)} |"
+                f"{span_of(gen)} | {span_of(ep['prompt_tokens'])} | {span_of(ep['turns'])} | "
+                f"{span_of(ep['tool_calls'])} | {span_of(ep['tool_errors'])} | "
+                f"{span_of(ep['obs_tokens'])} | {span_of(upd)} |"
             )
         for side in sides:
+            if IN_ORDER[wl] and side != "trl":  # async may draw one batch more than it trains
+                same = [
+                    set(t["prompts_seen"]) <= set(r["prompts_seen"])
+                    for t, r in zip(trl, results.get((wl, side), []), strict=False)
+                    if "error" not in t and "error" not in r
+                ]
+                print(f"  {wl} {side} drew every prompt TRL drew, per round: {same}")
+            if WORKLOADS[wl]["tools"]:  # TRL counts only the calls it ran (not a last turn's)
+                own = [r["own_tool_calls"] for r in results.get((wl, side), []) if "error" not in r]
+                print(
+                    f"  {wl} {side} tool calls/episode by the framework's own metric: {span_of(own)}"
+                )
             for r in results.get((wl, side), []):
                 if "split" in r:
                     s = r["split"]
