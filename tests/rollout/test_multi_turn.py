@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from weir.config import build_config
 from weir.config.schema import AgentConfig
@@ -427,3 +428,45 @@ def test_the_agent_rollout_trains_in_both_loops_from_a_config(tmp_path, mode):
     for h in steps:
         assert h["agent/turns_mean"] >= 1.0 and "agent/tool_errors" in h
         assert h["rollout/failed"] == 0.0
+
+
+def test_two_runs_of_one_multi_turn_config_sample_the_same_episodes(tmp_path):
+    """Later turns reach the engine in an order that varies with batching and thread timing; the
+    turns' seeds come from (run seed, version, row), so two runs sample the same tokens."""
+    import weir
+    from weir.tasks.tiny_model import build_tiny_model
+
+    # every other token id ends a turn, so untrained episodes play several short turns of
+    # varying lengths (and their later turns reach the engine in varying order)
+    model_dir = build_tiny_model(tmp_path / "model", size="nano", seed=0)
+    gen = GenerationConfig.from_pretrained(model_dir)
+    gen.eos_token_id = list(range(0, TOK.vocab_size, 2))
+    gen.save_pretrained(model_dir)
+    cfg = {
+        "run": {"steps": 2, "eval_every": 0, "save_model": False, "seed": 3},
+        "model": {"path": str(model_dir), "threads": 1},
+        "data": {"task": "arithmetic", "eval_size": 4},
+        "rollout": {
+            "function": "weir.rollout.multi_turn:rollout",
+            "n": 4,
+            "batch_prompts": 4,
+            "max_new_tokens": 6,
+        },
+        "agent": {
+            "env": f"{__name__}:GuessEnv",
+            "env_kwargs": {"tries": 4},
+            "reward": "env",
+            "max_turns": 4,
+        },
+        "telemetry": {"console": False, "dump_rollouts": True},
+    }
+    dumps = []
+    for name in ("a", "b"):
+        result = weir.run(cfg, [f"run.dir={tmp_path / name}"])
+        lines = []
+        for path in sorted((result.dir / "rollouts").glob("*.jsonl")):
+            lines += [json.loads(line) for line in path.read_text().splitlines()]
+        dumps.append([(r["prompt_ids"], r["response_ids"]) for r in lines])
+    tool = TOK.convert_tokens_to_ids("<|tool|>")
+    assert sum(r.count(tool) >= 2 for _, r in dumps[0]) >= 8  # episodes of 3 or more turns
+    assert dumps[0] == dumps[1]

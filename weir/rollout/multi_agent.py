@@ -37,7 +37,7 @@ from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
 from weir.rollout.env import maybe_await
-from weir.rollout.multi_turn import ObservationCodec, _turn_seed, observation_codec
+from weir.rollout.multi_turn import ObservationCodec, _turn_seed, observation_codec, seeded_by_row
 from weir.rollout.rewards import score
 from weir.rollout.roles import Episode, Outcome, Turn, credit, parse_outcome
 from weir.rollout.single_turn import RolloutContext
@@ -105,13 +105,7 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
         ctx.extras["multi_agent_scorer"] if "multi_agent_scorer" in ctx.extras else make_scorer(ma)
     )
     codec = observation_codec(ctx.tokenizer, role="user")  # other roles' turns: user messages
-    if ctx.sampling.seed is None and ma.policies == "separate":
-        # a later turn reaches its engine when an earlier one ends, in an order that varies with
-        # batching (and, with an engine per role, with the other engines' timing): seeds from the
-        # engine's own stream would differ between two runs, so every turn gets one from (run
-        # seed, weight version, row) instead (`_turn_seed` adds the view, episode and turn)
-        run_seed, version = ctx.extras.get("multi_agent_seed", 0), getattr(ctx.engine, "version", 0)
-        ctx = ctx.with_sampling(seed=_turn_seed(run_seed, [row.get("_index", -1)], version, 0))
+    ctx = seeded_by_row(ctx, row)  # turns arrive in an order that varies: seeds from the row
     episodes = await asyncio.gather(
         *(run_episode(ctx, row, ma, scorer, codec, index=i) for i in range(ctx.sampling.n))
     )
@@ -139,7 +133,7 @@ def multi_agent_extras(cfg: Any) -> dict[str, Any]:
     return {
         "multi_agent": ma,
         "multi_agent_scorer": make_scorer(ma),
-        "multi_agent_seed": cfg.run.seed,
+        "run_seed": cfg.run.seed,
     }
 
 

@@ -94,10 +94,25 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
         from weir.config.schema import AgentConfig
 
         agent = AgentConfig()
+    ctx = seeded_by_row(ctx, row)
     samples = await asyncio.gather(
         *(run_episode(ctx, row, make_env(agent), agent, index=i) for i in range(ctx.sampling.n))
     )
     return Group(samples=list(samples), row=row)
+
+
+def seeded_by_row(ctx: RolloutContext, row: dict) -> RolloutContext:
+    """`ctx` with a sampling seed from (run seed, weight version, row), unless it has one.
+
+    A later turn reaches the engine when an earlier one ends (and a tool returns), in an order that
+    varies with batching and thread timing; seeds drawn from the engine's stream in that order
+    made two runs of one config sample differently. Every turn's seed derives from this one
+    (`_turn_seed` adds the prompt, episode and turn), so a run repeats, and resumes, exactly."""
+    if ctx.sampling.seed is not None:  # evaluation: one seed for every row
+        return ctx
+    version = getattr(ctx.engine, "version", 0)
+    seed = _turn_seed(ctx.extras.get("run_seed", 0), [row.get("_index", -1)], version, 0)
+    return ctx.with_sampling(seed=seed)
 
 
 async def run_episode(
@@ -302,6 +317,7 @@ def agent_extras(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     return {
         "agent": cfg.agent,
+        "run_seed": cfg.run.seed,
         "serve": getattr(
             cfg, "serve", None
         ),  # limits of the OpenAI-compatible server (agent_rollout)
