@@ -4,8 +4,8 @@ tokenizer and its own processor, saved as a standard HF directory that `AutoProc
 
 Qwen2.5-VL at toy size: a 2-block vision transformer (patch 8, 2x2 patch merging, window and full
 attention blocks as in the real model) feeding a 2-layer Qwen2 decoder with multimodal rotary
-positions (M-RoPE). The processor is Qwen2-VL's image processor (PIL backend: no torchvision) sized
-so that a 48x48 image is 6x6 patches, i.e. 9 image tokens, plus weir's byte-level tokenizer with the
+positions (M-RoPE). The processor is Qwen2-VL's image processor (PIL backend: no torchvision), with
+images of at most 48x48 pixels (6x6 patches, i.e. 9 image tokens), plus weir's byte-level tokenizer with the
 four vision special tokens and a chat template that renders an image part as
 ``<|vision_start|><|image_pad|><|vision_end|>``.
 """
@@ -47,7 +47,8 @@ VLM_CHAT_TEMPLATE = (
 PATCH = 8
 MERGE = 2
 IMAGE_SIDE = 48
-"""The side the shapes task draws; with patch 8 it is 6x6 patches, 9 tokens after 2x2 merging."""
+"""The processor's largest side: a 48x48 image is 6x6 patches, 9 tokens after 2x2 merging (the
+shapes task draws 32x32: 4x4 patches, 4 tokens)."""
 
 
 def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
