@@ -6,6 +6,7 @@ weir drives: Qwen2.5-VL and Qwen3-VL (interleaved M-RoPE, DeepStack features).""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +239,16 @@ def test_other_vision_language_architectures_are_refused():
         model.config = config
         with pytest.raises(ValueError, match=f"vision-language architecture '{config.model_type}'"):
             vision_model(model)
+
+
+def test_tiny_vlm_paths_name_the_architecture(tmp_path):
+    import json
+
+    from weir.train.model import resolve_model_path
+
+    for path, arch in (("tiny-vlm:nano", "qwen2_5_vl"), ("tiny-vlm:nano:qwen3_vl", "qwen3_vl")):
+        out = resolve_model_path(path, tmp_path)
+        assert json.loads((Path(out) / "config.json").read_text())["model_type"] == arch
+        assert type(load_processor(out)).__name__.startswith("Image")  # images only, no torchvision
+    with pytest.raises(ValueError, match="unknown tiny VLM architecture 'llava'"):
+        resolve_model_path("tiny-vlm:nano:llava", tmp_path)
