@@ -1,10 +1,12 @@
 """Vision-language prompts: the engine and the trainer see the same ids and the same pixels, and
 their log-probs agree in float32 (1e-5) with each other and with the model's own HF forward, where
-the model computes its multimodal rotary positions itself."""
+the model computes its multimodal rotary positions itself. Every test runs on both architectures
+weir drives: Qwen2.5-VL and Qwen3-VL (interleaved M-RoPE, DeepStack features)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +17,21 @@ from weir.data.vision_processor import load_processor
 from weir.engine.base import SamplingParams
 from weir.engine.torch_engine import TorchEngine
 from weir.rollout.single_turn import RolloutContext, rollout
-from weir.tasks.tiny_vlm import build_tiny_vlm
+from weir.tasks.tiny_vlm import ARCHS, build_tiny_vlm
 from weir.train.batch import make_batch
 from weir.train.packing import response_logprobs
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+@pytest.fixture(scope="module", params=ARCHS)
+def vlm(request, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "nano", size="nano", seed=0)
+    arch = request.param
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / arch, size="nano", seed=0, arch=arch)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    assert model.config.model_type == arch
     for p in model.parameters():  # a larger init spreads the distribution: positions matter more
         p.data.mul_(3.0) if p.dim() > 1 else None
     return model, load_processor(path)
@@ -221,3 +225,30 @@ def test_weight_update_mid_generation_rebuilds_the_kv_with_the_pixels(vlm):
         ref_new = _hf_logprobs(new, ids, vision, c.token_ids)
         assert (got[before] - ref_old[before]).abs().max() < TOL
         assert (got[after] - ref_new[after]).abs().max() < TOL
+
+
+def test_other_vision_language_architectures_are_refused():
+    """Qwen2-VL and SmolVLM take images too, but weir has not checked their positions and pixels:
+    they are refused by name instead of being run with wrong numbers."""
+    from transformers import Qwen2VLConfig, SmolVLMConfig
+
+    from weir.data.vision_model import vision_model
+
+    for config in (Qwen2VLConfig(), SmolVLMConfig()):
+        model = torch.nn.Module()
+        model.config = config
+        with pytest.raises(ValueError, match=f"vision-language architecture '{config.model_type}'"):
+            vision_model(model)
+
+
+def test_tiny_vlm_paths_name_the_architecture(tmp_path):
+    import json
+
+    from weir.train.model import resolve_model_path
+
+    for path, arch in (("tiny-vlm:nano", "qwen2_5_vl"), ("tiny-vlm:nano:qwen3_vl", "qwen3_vl")):
+        out = resolve_model_path(path, tmp_path)
+        assert json.loads((Path(out) / "config.json").read_text())["model_type"] == arch
+        assert type(load_processor(out)).__name__.startswith("Image")  # images only, no torchvision
+    with pytest.raises(ValueError, match="unknown tiny VLM architecture 'llava'"):
+        resolve_model_path("tiny-vlm:nano:llava", tmp_path)

@@ -1,4 +1,5 @@
-"""The vision-language path on CUDA: engine (fp32, then bf16) and trainer agree with images."""
+"""The vision-language path on CUDA: engine (fp32, then bf16) and trainer agree with images, on
+Qwen2.5-VL and Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from weir.data.vision import encode_vision_prompt
 from weir.data.vision_processor import load_processor
 from weir.engine.base import SamplingParams
 from weir.engine.torch_engine import TorchEngine
-from weir.tasks.tiny_vlm import build_tiny_vlm
+from weir.tasks.tiny_vlm import ARCHS, build_tiny_vlm
 from weir.train.packing import response_logprobs
 
 pytestmark = pytest.mark.gpu
@@ -27,11 +28,12 @@ def _prompts(processor):
     return [encode_vision_prompt(processor, r) for r in rows]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-def test_engine_and_trainer_agree_with_images_on_cuda(tmp_path, dtype, tol):
+def test_engine_and_trainer_agree_with_images_on_cuda(tmp_path, dtype, tol, arch):
     from transformers import AutoModelForImageTextToText
 
-    path = build_tiny_vlm(tmp_path / "vlm", size="nano")
+    path = build_tiny_vlm(tmp_path / "vlm", size="nano", arch=arch)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(CUDA).eval()
     processor = load_processor(path)

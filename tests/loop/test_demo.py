@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rich.console import Console
 
 from weir.loop.demo import run_demo
@@ -26,3 +27,19 @@ def test_demo_writes_its_summary_and_report(tmp_path, capfd):
     steps = [json.loads(line)["step"] for line in (tmp_path / "rl" / "metrics.jsonl").open()]
     assert steps == [0, 1, 2, 3]
     assert "resumed" not in capfd.readouterr().err
+
+
+def test_demo_summarises_the_eval_breakdown_after_sft_and_after_rl():
+    from weir.loop.demo import breakdown_summary, role_summary
+
+    evals = [
+        {"eval/accuracy": 0.1, "eval/question/colour/accuracy": 0.0, "eval/q/count/accuracy": 0.2},
+        *({"eval/question/colour/accuracy": a} for a in (0.5, 0.6, 0.8, 1.0)),
+    ]
+    assert breakdown_summary(evals) == {
+        "by/question=colour/accuracy_after_sft": 0.0,
+        "by/question=colour/accuracy_after_rl_last3_mean": pytest.approx(0.8),
+        "by/q=count/accuracy_after_sft": 0.2,
+        "by/q=count/accuracy_after_rl_last3_mean": 0.2,
+    }
+    assert role_summary(evals) == {}  # a breakdown is not a role

@@ -113,3 +113,20 @@ def test_evaluate_reports_accuracy_and_pass_at_k():
     assert metrics["eval/accuracy"] == pytest.approx(1 / 8)
     assert metrics["eval/pass@1"] == pytest.approx(0.125)
     assert metrics["eval/pass@4"] == pytest.approx(0.5)
+
+
+def test_evaluate_breaks_accuracy_down_by_a_row_field():
+    rows = [
+        {"prompt": "1+1", "answer": "2", "kind": "add"},
+        {"prompt": "3-1", "answer": "2", "kind": "sub"},
+        {"prompt": "2+2", "answer": "4", "kind": "add"},
+        {"prompt": "no kind", "answer": "3"},
+    ]
+    # every prompt gets "2", "3", "3", "3": one of 4 right where the answer is 2, three where it is 3
+    metrics, _ = evaluate(_ctx(["2", "3", "3", "3"], exact), rows, rollout, breakdown="kind")
+    assert metrics["eval/kind/add/accuracy"] == pytest.approx((1 + 0) / 8)
+    assert metrics["eval/kind/sub/accuracy"] == pytest.approx(1 / 4)
+    assert metrics["eval/accuracy"] == pytest.approx((1 + 1 + 0 + 3) / 16)
+    assert not any(
+        k.startswith("eval/kind/") for k in evaluate(_ctx(["2"], exact), rows, rollout)[0]
+    )

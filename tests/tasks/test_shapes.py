@@ -49,13 +49,17 @@ def test_rows_are_deterministic_and_splits_disjoint():
         make_rows("train", 2, 0, questions="size")
 
 
-def test_sft_corruption_is_exact_and_wrong():
-    rows = sft_rows(200, seed=1, corrupt=0.3)
+def test_sft_corruption_is_exact_and_systematic():
+    rows = sft_rows(200, seed=1, corrupt=0.7)
     bad = [r for r in rows if r["corrupted"]]
-    assert len(bad) == 60
-    assert all(r["response"] != r["answer"] for r in bad)
+    assert len(bad) == 140
     assert all(r["response"] == r["answer"] for r in rows if not r["corrupted"])
-    counts = [r for r in bad if r["question"] == "count"]
-    assert counts and all(abs(int(r["response"]) - int(r["answer"])) == 1 for r in counts)
-    assert all(1 <= int(r["response"]) <= 4 for r in counts)
+    # one fixed wrong answer per true answer: the next one in the cycle, worked out by hand
+    following = {"1": "2", "2": "3", "3": "4", "4": "1"}
+    following |= {"blue": "green", "green": "red", "red": "yellow", "yellow": "blue"}
+    assert all(r["response"] == following[r["answer"]] for r in bad)
+    assert {r["question"] for r in bad} == {"count", "colour"}
+    assert {r["answer"] for r in bad} == set(following)
     assert get_task("shapes").reward == "exact_match"
+    with pytest.raises(ValueError, match="corrupt"):
+        sft_rows(4, seed=0, corrupt=1.5)

@@ -347,6 +347,9 @@ class EvalConfig(Section):
     """Samples per prompt (pass@k uses k <= n)."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Default: rollout.max_new_tokens."""
+    breakdown: str | None = None
+    """A row field (e.g. the shapes task's `question`): eval also reports the accuracy per value of
+    it as `eval/<field>/<value>/accuracy`, and `weir demo` prints it before and after RL."""
 
 
 class SFTConfig(Section):

@@ -27,7 +27,7 @@ from weir.data.vision import VisionInputs
 
 __all__ = ["VisionModel", "vision_model"]
 
-MROPE_TYPES = ("qwen2_5_vl",)
+MROPE_TYPES = ("qwen2_5_vl", "qwen3_vl")
 """Architectures whose vision path weir drives exactly (docs/multimodal.md)."""
 
 

@@ -1,10 +1,12 @@
-"""Loading a vision-language model's processor, and Qwen2.5-VL's processor for images only.
+"""Loading a vision-language model's processor, and Qwen2.5-VL's and Qwen3-VL's processors for
+images only.
 
 `load_processor` is ``AutoProcessor.from_pretrained`` on the model directory. Qwen's own processor
 class also builds a video processor, which needs torchvision; PyPI's torchvision wheels are built
 against CUDA torch and do not load next to the CPU torch weir installs on CPU machines. So weir
-registers `ImageQwen2_5_VLProcessor` (the same image handling, no video) with `AutoProcessor`, and
-directories saved with it (weir's tiny VLM) load through the standard path.
+registers `ImageQwen2_5_VLProcessor` and `ImageQwen3VLProcessor` (the same image handling, no
+video) with `AutoProcessor`, and directories saved with them (weir's tiny VLMs) load through the
+standard path.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+from transformers import (
+    AutoProcessor,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLProcessor,
+)
 from transformers.processing_utils import ProcessorMixin
 
-__all__ = ["ImageQwen2_5_VLProcessor", "load_processor"]
+__all__ = ["ImageQwen2_5_VLProcessor", "ImageQwen3VLProcessor", "load_processor"]
 
 
 class ImageQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
@@ -30,7 +38,23 @@ class ImageQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
+class ImageQwen3VLProcessor(Qwen3VLProcessor):
+    """Qwen3-VL's processor for images only: an image expands as in Qwen2.5-VL (one
+    ``<|image_pad|>`` per merged patch); videos, with their timestamps, are not supported."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.vision_start_token = "<|vision_start|>"
+        self.vision_end_token = "<|vision_end|>"
+        for name in ("image", "video", "vision_start", "vision_end"):
+            token = getattr(self, f"{name}_token")
+            setattr(self, f"{name}_token_id", tokenizer.convert_tokens_to_ids(token))
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
 AutoProcessor.register(Qwen2_5_VLConfig, ImageQwen2_5_VLProcessor, exist_ok=True)
+AutoProcessor.register(Qwen3VLConfig, ImageQwen3VLProcessor, exist_ok=True)
 
 
 def load_processor(path: str | Path) -> Any:

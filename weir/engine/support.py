@@ -50,6 +50,7 @@ SUPPORTED: dict[str, _Arch] = {
     # vision-language: the text decoder's masks as qwen2's, the pixels and M-RoPE positions from
     # weir.data.vision_model (packing: 1-D text positions lead the 4-row position ids)
     "qwen2_5_vl": _Arch("per_layer_type", name="Qwen2.5-VL"),
+    "qwen3_vl": _Arch("single", name="Qwen3-VL"),  # its text model takes one mask
 }
 
 _LAYER_TYPES = {"full_attention", "sliding_attention"}

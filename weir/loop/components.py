@@ -58,6 +58,7 @@ class Components:
     critic: Critic | None = None  # algo.advantage=gae: PPO's value model
     cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
     policies: Any = None  # multi_agent.policies=separate: weir.loop.role_policies.RolePolicies
+    eval_breakdown: str | None = None  # eval.breakdown: the row field eval reports accuracy by
 
     def close(self) -> None:
         """Stop the engine (and on Ray the trainer ranks and the placement groups)."""
@@ -488,4 +489,5 @@ def _components(
         sync=ray_parts.sync if ray_parts is not None else None,
         cluster=ray_parts,
         critic=make_critic(cfg, model, run_dir) if ray_parts is None else None,
+        eval_breakdown=cfg.eval.breakdown,
     )

@@ -71,6 +71,7 @@ def run_demo(
         "rl_steps": rl_cfg.run.steps,
     }
     summary.update(role_summary(result.evals))
+    summary.update(breakdown_summary(result.evals))
     calls = [h["agent/tool_calls_mean"] for h in result.history if "agent/tool_calls_mean" in h]
     if calls:  # a tool-using agent: how often it called a tool per episode, first and last steps
         summary["tool_calls_per_episode_first3"] = sum(calls[:3]) / len(calls[:3])
@@ -93,6 +94,10 @@ def run_demo(
             f"{summary[f'role/{role}/accuracy_after_rl_last3_mean']:.1%}",
             "",
         )
+    for key in sorted(k for k in summary if k.startswith("by/") and k.endswith("_after_sft")):
+        name = key.removeprefix("by/").removesuffix("/accuracy_after_sft")
+        after = summary[key.replace("_after_sft", "_after_rl_last3_mean")]
+        table.add_row(f"  {name}, SFT -> RL", f"{summary[key]:.1%} -> {after:.1%}", "")
     console.print(table)
     if calls:
         console.print(
@@ -123,4 +128,19 @@ def role_summary(evals: list[dict[str, float]]) -> dict[str, float]:
             last = [e[key] for e in evals[-3:] if key in e]
             out[f"role/{parts[1]}/accuracy_after_sft"] = evals[0][key]
             out[f"role/{parts[1]}/accuracy_after_rl_last3_mean"] = sum(last) / len(last)
+    return out
+
+
+def breakdown_summary(evals: list[dict[str, float]]) -> dict[str, float]:
+    """With `eval.breakdown` set: the accuracy per value of that row field
+    (``eval/<field>/<value>/accuracy``) after SFT and after RL (mean of the last three evaluations),
+    as ``by/<field>=<value>/accuracy_after_sft`` and ``..._after_rl_last3_mean``."""
+    out: dict[str, float] = {}
+    for key in evals[0]:
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "eval" and parts[3] == "accuracy":
+            last = [e[key] for e in evals if key in e][-3:]
+            name = f"by/{parts[1]}={parts[2]}/accuracy"
+            out[f"{name}_after_sft"] = evals[0][key]
+            out[f"{name}_after_rl_last3_mean"] = sum(last) / len(last)
     return out

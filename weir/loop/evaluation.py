@@ -34,7 +34,7 @@ def run_eval(cfg: Config) -> dict[str, float]:
     try:
         _, eval_ctx = make_contexts(cfg, engine, tokenizer)
         fn = resolve(cfg.rollout.function, {}, "rollout.function")
-        metrics, _ = evaluate(eval_ctx, task_rows(cfg, "test"), fn)
+        metrics, _ = evaluate(eval_ctx, task_rows(cfg, "test"), fn, breakdown=cfg.eval.breakdown)
         return metrics
     finally:
         engine.close()

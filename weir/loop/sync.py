@@ -99,7 +99,9 @@ def push_weights(parts: Components, version: int) -> dict[str, float]:
 
 def eval_metrics(parts: Components) -> dict[str, float]:
     with span("eval"):
-        metrics, _ = evaluate(parts.eval_ctx, parts.eval_rows, parts.rollout_fn)
+        metrics, _ = evaluate(
+            parts.eval_ctx, parts.eval_rows, parts.rollout_fn, breakdown=parts.eval_breakdown
+        )
     return metrics
 
 

@@ -18,11 +18,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(
-    ctx: RolloutContext, rows: list[dict], fn: Callable, *, correct_at: float = 1.0
+    ctx: RolloutContext,
+    rows: list[dict],
+    fn: Callable,
+    *,
+    correct_at: float = 1.0,
+    breakdown: str | None = None,
 ) -> tuple[dict[str, float], list]:
     """Roll out `rows` with `ctx`'s (eval) sampling; a sample is correct when reward >= `correct_at`.
 
     Returns metrics (eval/reward, eval/accuracy, eval/pass@k for k = 1, 2, 4, ... <= n) and the groups.
+    `breakdown` names a row field: the accuracy of the rows with each of its values is added as
+    ``eval/<field>/<value>/accuracy`` (rows without the field are left out of it).
     """
     groups, gen = collect_groups(ctx, rows, fn)
     n = ctx.sampling.n
@@ -43,6 +50,8 @@ def evaluate(
         "eval/time": gen["time/generate"],
     }
     metrics.update(_role_accuracy(groups, correct_at))
+    if breakdown is not None:
+        metrics.update(_breakdown_accuracy(groups, per_prompt, n, breakdown))
     k = 1
     while k <= n:
         metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / max(
@@ -64,3 +73,15 @@ def _role_accuracy(groups: list, correct_at: float) -> dict[str, float]:
             r = s.reward_info.get("role_reward", s.reward)
             hits.setdefault(role, []).append(r is not None and r >= correct_at)
     return {f"eval/{role}/accuracy": sum(h) / len(h) for role, h in hits.items()}
+
+
+def _breakdown_accuracy(
+    groups: list, per_prompt: list[int], n: int, field: str
+) -> dict[str, float]:
+    """``eval/<field>/<value>/accuracy``: correct samples / (n * prompts) over the prompts whose
+    row has ``row[field] == value``."""
+    hits: dict[str, list[int]] = {}
+    for g, correct in zip(groups, per_prompt, strict=True):
+        if field in g.row:
+            hits.setdefault(str(g.row[field]), []).append(correct)
+    return {f"eval/{field}/{v}/accuracy": sum(c) / (len(c) * n) for v, c in sorted(hits.items())}

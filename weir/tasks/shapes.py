@@ -1,7 +1,10 @@
 """Shapes: a synthetic visual task drawn with PIL, for vision-language RL on a CPU.
 
-Each image is 48x48 pixels on a grey background with 1 to 4 shapes (circle, square, triangle) of
-one colour. The question is one of:
+Each image is 32x32 pixels on a grey background with 1 to 4 shapes (circle, square, triangle) of
+one colour, at most one per quadrant. With the tiny VLM's 8-pixel patches and 2x2 merging an image
+is 4 image tokens, one per quadrant, so "is there a shape here" is local to a token (at 48x48 the
+3x3 tokens straddle the quadrants, and a linear probe of the untrained tower reads the count less
+well: 76% against 92%). The question is one of:
 
 - ``count``: "How many shapes?" -> ``"3"``
 - ``colour``: "What colour are the shapes?" -> ``"red"``
@@ -18,11 +21,11 @@ import io
 import random
 from typing import Any
 
-__all__ = ["COLOURS", "DESCRIPTION", "REWARD", "draw", "make_rows", "sft_rows"]
+__all__ = ["COLOURS", "DESCRIPTION", "REWARD", "corrupt_answer", "draw", "make_rows", "sft_rows"]
 
 REWARD = "exact_match"
-DESCRIPTION = "count the shapes or name their colour in a 48x48 PIL image (vision-language)"
-SIDE = 48
+DESCRIPTION = "count the shapes or name their colour in a 32x32 PIL image (vision-language)"
+SIDE = 32
 COLOURS = {
     "red": (220, 40, 40),
     "green": (40, 170, 60),
@@ -101,19 +104,23 @@ def make_rows(
     return [_row(base + rng.randrange(_TEST_OFFSET), kinds[i % len(kinds)]) for i in range(n)]
 
 
-def _corrupt(row: dict[str, Any], rng: random.Random) -> str:
-    """A wrong answer of the same kind: a count off by one, or another colour."""
-    if row["question"] == "count":
-        n = int(row["answer"])
-        return str(n + 1 if n < MAX_SHAPES and (n == 1 or rng.random() < 0.5) else n - 1)
-    return rng.choice([c for c in sorted(COLOURS) if c != row["answer"]])
+def corrupt_answer(question: str, answer: str) -> str:
+    """The systematic error used for corrupted SFT targets: the next answer in a fixed cycle,
+    ``1 -> 2 -> 3 -> 4 -> 1`` for counts and ``blue -> green -> red -> yellow -> blue`` for colours.
+
+    A fixed rule (not a random other answer) keeps the corrupted targets a function of the image,
+    so SFT still has to read the pixels to learn them: the warm-started policy's mode is wrong, yet
+    it gives the right answer the rest of the time, which GRPO can then reinforce."""
+    cycle = [str(n) for n in range(1, MAX_SHAPES + 1)] if question == "count" else sorted(COLOURS)
+    return cycle[(cycle.index(answer) + 1) % len(cycle)]
 
 
 def sft_rows(
     n: int, seed: int, *, corrupt: float = 0.0, questions: str = "count,colour"
 ) -> list[dict[str, Any]]:
     """`n` train rows with ``"response"`` = the answer; ``corrupt=f`` makes ``round(f * n)`` of
-    the targets wrong (`_corrupt`), chosen by a seeded RNG; those rows carry ``"corrupted": True``."""
+    the targets wrong by `corrupt_answer`, chosen by a seeded RNG, not by content; those rows carry
+    ``"corrupted": True`` and keep the true ``"answer"``."""
     if not 0.0 <= corrupt <= 1.0:
         raise ValueError(f"shapes: corrupt must be in [0, 1], got {corrupt}")
     rows = make_rows("train", n, seed, questions=questions)
@@ -121,5 +128,7 @@ def sft_rows(
     bad = set(rng.sample(range(n), round(corrupt * n)))
     for i, row in enumerate(rows):
         row["corrupted"] = i in bad
-        row["response"] = _corrupt(row, rng) if i in bad else row["answer"]
+        row["response"] = (
+            corrupt_answer(row["question"], row["answer"]) if i in bad else row["answer"]
+        )
     return rows

@@ -24,14 +24,21 @@ def resolve_model_path(
     path: str, build_dir: str | Path, *, arch: str = "qwen3", seed: int = 0
 ) -> str:
     """Return a loadable path; `tiny:<size>` builds weir's tiny model under `build_dir` once, and
-    `tiny-vlm:<size>` weir's tiny vision-language model (Qwen2.5-VL architecture)."""
+    `tiny-vlm:<size>` weir's tiny vision-language model (Qwen2.5-VL architecture;
+    `tiny-vlm:<size>:qwen3_vl` the same at Qwen3-VL's)."""
     if path.startswith("tiny-vlm:"):
         from weir.tasks.tiny_vlm import build_tiny_vlm
 
-        size = path.split(":", 1)[1] or "tiny"
-        out = Path(build_dir) / f"tiny-vlm-{size}-seed{seed}"
+        size, _, vlm_arch = path.split(":", 1)[1].partition(":")
+        size, vlm_arch = size or "tiny", vlm_arch or "qwen2_5_vl"
+        name = (
+            f"tiny-vlm-{size}-seed{seed}"
+            if vlm_arch == "qwen2_5_vl"
+            else f"tiny-vlm-{size}-{vlm_arch}-seed{seed}"
+        )
+        out = Path(build_dir) / name
         if not (out / "config.json").exists():
-            build_tiny_vlm(out, size=size, seed=seed)
+            build_tiny_vlm(out, size=size, seed=seed, arch=vlm_arch)
         return str(out)
     if not path.startswith("tiny:"):
         return path
