@@ -68,6 +68,10 @@ def test_other_architectures_and_hooked_models_decode_through_hf(arch_dirs):
     out, used = generate(model, prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
     assert used == 0.0 and len(seen) > 6
     handle.remove()
+    model.forward = model.forward  # a forward replaced on the instance: HF forward too
+    assert DecodeForward.build(model, per_layer_type=True) is None
+    del model.forward
+    assert DecodeForward.build(model, per_layer_type=True) is not None
     for prompt, comps in zip(prompts, out, strict=True):
         assert_parity(model, prompt, comps[0], temperature=0.0)
 

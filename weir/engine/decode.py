@@ -48,8 +48,9 @@ _FAMILY: dict[str, tuple[str, bool]] = {
 
 
 def _plain(module: nn.Module) -> bool:
-    """No forward hooks or pre-hooks that the direct path would skip."""
-    return not (module._forward_hooks or module._forward_pre_hooks)
+    """No forward hooks or pre-hooks, and no ``forward`` replaced on the instance (a patch or a
+    wrapper), that the direct path would skip."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
 class _Norm:
