@@ -63,10 +63,11 @@ class _Norm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.to(torch.float32)
+        if dtype != torch.float32:  # (``.to`` its own dtype is the tensor itself: skip the call)
+            x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
 class _Layer:
@@ -220,10 +221,13 @@ class DecodeForward:
             k = F.linear(h, lay.k.weight, lay.k.bias).view(shape)
             if lay.q_norm is not None:
                 q, k = lay.q_norm(q), lay.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = F.linear(h, lay.v.weight, lay.v.bias).view(shape).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            # The rotation is elementwise: queries and keys go through it together, as one tensor
+            # of heads (the same values as rotating each).
+            qk = torch.cat((q, k), dim=-2).transpose(1, 2)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            heads = q.shape[-2]
+            q, k = qk[:, :heads], qk[:, heads:]
             keys, values = layers[lay.idx].update(k, v)
             out, _ = attention(
                 lay.attn,
