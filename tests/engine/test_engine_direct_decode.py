@@ -112,3 +112,13 @@ def test_direct_decode_across_a_weight_update(arch_dirs):
         for c in comps:
             assert c.versions == [1] * len(c.token_ids)
             assert_parity(model, prompt, c, temperature=0.0)
+
+
+def test_direct_decode_in_bfloat16_matches_the_hf_forward(arch_dirs):
+    """The RMSNorms' float32 round trip of a bfloat16 model is the HF forward's too."""
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs["qwen3"], dtype=torch.bfloat16).eval()
+    prompts = make_prompts(3, 3, 14, seed=12)
+    direct, used = generate(model, prompts, SAMPLING)
+    hf, _ = generate(model, prompts, SAMPLING, direct_decode=False)
+    assert used == 1.0
+    assert_same(direct, hf)
