@@ -1,7 +1,7 @@
 """The torch engine's decode-step forward without the Hugging Face module machinery.
 
 A decode step feeds one token per row through the model. For the small models weir trains on a CPU,
-much of that step is not arithmetic but Python: about 70 ``nn.Module`` calls (each through
+a quarter of that forward is not arithmetic but Python (docs/engine-speed.md): about 70 ``nn.Module`` calls (each through
 ``_call_impl`` with its hook checks), the output-capturing and kwargs-merging decorators of the HF
 forward, config attribute look-ups, the attention-interface registry, output dataclasses. For the
 Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm decoder layers, RMSNorm, rotary positions,
@@ -56,10 +56,10 @@ def _plain(module: nn.Module) -> bool:
 class _Norm:
     """The Llama-family RMSNorm: ``w * (x * rsqrt(mean(x^2) + eps))``, computed in float32."""
 
-    __slots__ = ("weight", "eps")
+    __slots__ = ("module", "eps")
 
     def __init__(self, module: nn.Module):
-        self.weight, self.eps = module.weight, module.variance_epsilon
+        self.module, self.eps = module, module.variance_epsilon
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -67,7 +67,7 @@ class _Norm:
             x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * (x if dtype == torch.float32 else x.to(dtype))
+        return self.module.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
 class _Layer:
