@@ -58,7 +58,8 @@ protocol and ``*_sync`` forms for plain threads; they must not be called from th
 
 Modules
 -------
-This module holds the engine's thread, control and decode step. Admission (prefill, retirement) is in
+This module holds the engine's thread and control. The decode step, and the direct forward it runs
+for Llama-family models, are in `weir.engine.decode`; admission (prefill, retirement) is in
 `weir.engine.admission`, sampling in `weir.engine.sampler`, the running batch and its KV slabs in
 `weir.engine.slabs`, requests and their futures in `weir.engine.requests`, the random streams in
 `weir.engine.streams`, the KV budget in `weir.engine.kv_budget`, sleep/wake in `weir.engine.memory`,
