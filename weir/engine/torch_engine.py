@@ -13,7 +13,8 @@ A daemon thread runs the decode loop over one *running batch*. Each iteration:
    prefix) of the running batch;
 2. runs one decode step for every row: the model's own ``forward`` over the last token of each row,
    with the KV cache (``past_key_values``), an explicit 4D attention mask, explicit position ids and
-   ``logits_to_keep=1``;
+   ``logits_to_keep=1`` (for Llama-family models the same operations without the HF module
+   machinery, checked bit for bit against the model's forward: `weir.engine.decode`);
 3. samples the next token of every row with tensor ops (no per-row Python), and retires the rows that
    emitted a stop token or reached their length limit: their futures are resolved at once and the rows
    leave the batch.
