@@ -13,7 +13,8 @@ A daemon thread runs the decode loop over one *running batch*. Each iteration:
    prefix) of the running batch;
 2. runs one decode step for every row: the model's own ``forward`` over the last token of each row,
    with the KV cache (``past_key_values``), an explicit 4D attention mask, explicit position ids and
-   ``logits_to_keep=1``;
+   ``logits_to_keep=1`` (for Llama-family models the same operations without the HF module
+   machinery, checked bit for bit against the model's forward: `weir.engine.decode`);
 3. samples the next token of every row with tensor ops (no per-row Python), and retires the rows that
    emitted a stop token or reached their length limit: their futures are resolved at once and the rows
    leave the batch.
@@ -58,7 +59,8 @@ protocol and ``*_sync`` forms for plain threads; they must not be called from th
 
 Modules
 -------
-This module holds the engine's thread, control and decode step. Admission (prefill, retirement) is in
+This module holds the engine's thread and control. The decode step, and the direct forward it runs
+for Llama-family models, are in `weir.engine.decode`; admission (prefill, retirement) is in
 `weir.engine.admission`, sampling in `weir.engine.sampler`, the running batch and its KV slabs in
 `weir.engine.slabs`, requests and their futures in `weir.engine.requests`, the random streams in
 `weir.engine.streams`, the KV budget in `weir.engine.kv_budget`, sleep/wake in `weir.engine.memory`,
@@ -87,6 +89,7 @@ from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.engine.admission import Admission
 from weir.engine.base import Completion, SamplingParams
+from weir.engine.decode import DecodeForward, Decoding
 from weir.engine.kv_budget import (
     GB,
     KVBudgetError,
@@ -96,11 +99,10 @@ from weir.engine.kv_budget import (
     measure_cell_bytes,
     resolve_budget,
 )
-from weir.engine.masks import layer_masks
 from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
 from weir.engine.prefix_cache import PrefixCache
 from weir.engine.requests import Request, set_exception
-from weir.engine.slabs import RunningBatch, SlabCache
+from weir.engine.slabs import RunningBatch
 from weir.engine.support import model_support
 from weir.telemetry.timeline import span
 
@@ -120,7 +122,7 @@ def _close_live_engines() -> None:
         engine.close(timeout=2.0)
 
 
-class TorchEngine(Admission):
+class TorchEngine(Admission, Decoding):
     """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
 
     Args:
@@ -156,6 +158,10 @@ class TorchEngine(Admission):
         prefix_cache: keep the KV of finished ``keep_kv`` requests (multi-turn episodes) and reuse
             it for the request that continues the conversation (`weir.engine.prefix_cache`).
         prefix_cache_entries: most entries kept (default: ``max_batch_size``).
+        direct_decode: run decode steps through `weir.engine.decode.DecodeForward` (the same
+            operations as the HF forward without its module machinery; Llama-family models only,
+            checked bit for bit against the HF forward on the first decode step). False: always
+            the HF forward.
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class TorchEngine(Admission):
         kv_idle_release_s: float | None = None,
         prefix_cache: bool = True,
         prefix_cache_entries: int | None = None,
+        direct_decode: bool = True,
     ):
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -220,6 +227,12 @@ class TorchEngine(Admission):
             if prefix_cache and self._vision is None  # a VLM prompt's KV holds its image
             else None
         )
+        self._direct = (
+            DecodeForward.build(model, self._support.per_layer_type, self._vision is not None)
+            if direct_decode
+            else None
+        )
+        self._direct_checked = False
         self._last_busy = time.monotonic()
         self._asleep = False
         self._offloaded: OffloadedWeights | None = None
@@ -402,11 +415,13 @@ class TorchEngine(Admission):
         self._set_version(state["version"])
 
     def stats(self) -> dict[str, float]:
-        """Counters since start: requests, generated/prefill tokens, decode steps, busy seconds."""
+        """Counters since start: requests, generated/prefill tokens, decode steps, busy seconds;
+        ``decode_direct`` is 1 while decode steps run through `weir.engine.decode.DecodeForward`."""
         with self._mu:
             out = dict(self._stats)
             out["running_rows"] = self._batch.n
             out["waiting_requests"] = len(self._pending)
+            out["decode_direct"] = float(self._direct is not None)
         out.update(self.kv_stats())
         out.update(self.prefix_stats())
         return out
@@ -772,49 +787,3 @@ class TorchEngine(Admission):
             and self.kv_request_bytes(prompt_len, n, max_new_tokens) > kv.budget
         ):
             raise self._kv_error(prompt_len, n, min(max_new_tokens, self.max_seq_len - prompt_len))
-
-    def _forward(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        pos: torch.Tensor,
-        cache: SlabCache,
-        **pixels: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits of the last position, float32 [rows, vocab]. `mask` is a boolean [rows, 1, q, kv]
-        (causal + padding); sliding windows are added per layer type by `layer_masks`. `pixels`:
-        a vision-language prefill's pixel inputs."""
-        masks = layer_masks(mask, self._support, self._dtype if self._eager else None)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=masks,  # prepared 4D masks (or a dict by layer type) are used as given
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **pixels,
-        )
-        cache.geo.length += ids.shape[1]
-        return out.logits[:, -1, :].float()
-
-    def _decode_step(self) -> None:
-        b = self._batch
-        geo = b.geo
-        cols = b.cache.layers[0].keys.shape[2]
-        if geo.c0 + geo.length >= cols:
-            # Out of columns on the right (rows outlived the headroom): move left within the slabs
-            # when they are wide enough, else to larger slabs.
-            if geo.length + b.remaining() < cols:
-                b._move_live(geo.length, b.remaining())
-            else:
-                b._realloc_cache(b.n, geo.length, max(b.remaining(), 16), b.cache)
-        mask = self._col[: b.geo.length + 1].unsqueeze(0) >= b.start.unsqueeze(1)
-        logits = self._forward(
-            b.tok.unsqueeze(1), mask[:, None, None, :], b.pos.unsqueeze(1), b.cache
-        )
-        b.pos += 1
-        self._sample_and_record(b, logits)
-        self._stats["decode_steps"] += 1
-        done = self._retire_done(b)
-        if done is not None:
-            b.remove(done)
