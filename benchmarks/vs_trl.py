@@ -396,6 +396,17 @@ def span_of(xs: list[float]) -> str:
     return f"{min(xs):.2f}" if len(xs) == 1 else f"{min(xs):.2f}-{max(xs):.2f}"
 
 
+def _trl_version(python: str) -> str:
+    """The TRL version installed for `python` (the .venv-trl interpreter)."""
+    cmd = [python, "-c", "import trl; print(trl.__version__)"]
+    try:
+        return (
+            subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout.strip() or "?"
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -504,7 +515,8 @@ def report(results, args, sides, load0) -> None:
     load1 = os.getloadavg()
     print()
     print(
-        f"## weir vs TRL {sys.version.split()[0]}, {os.cpu_count()} CPUs, one torch thread a process; "
+        f"## weir vs TRL {_trl_version(args.trl_python)} (Python {sys.version.split()[0]}), "
+        f"{os.cpu_count()} CPUs, one torch thread a process; "
         f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds"
     )
     print()
