@@ -9,9 +9,11 @@ on CUDA, so the copy back is fast) and leaves every parameter an empty tensor on
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
-__all__ = ["OffloadedWeights", "offload_parameters", "return_cached_memory"]
+__all__ = ["EngineMemory", "OffloadedWeights", "offload_parameters", "return_cached_memory"]
 
 
 class OffloadedWeights:
@@ -50,3 +52,69 @@ def return_cached_memory(device: torch.device) -> None:
     """Hand the memory torch's CUDA allocator keeps cached back to the device (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+class EngineMemory:
+    """The memory part of `weir.engine.torch_engine.TorchEngine` (a mixin: the methods use the
+    engine's state): what its KV cache and prefix cache hold, and sleep / wake."""
+
+    def prefix_stats(self) -> dict[str, float]:
+        """Cross-turn KV reuse: entries stored, hits and misses of ``keep_kv`` lookups, prompt tokens
+        whose KV was reused instead of prefilled, entries evicted, entries and bytes held now."""
+        pc = self._prefix
+        if pc is None:
+            return {}
+        out = {f"prefix_{k}": float(v) for k, v in pc.stats.items()}
+        out["prefix_entries"] = float(len(pc))
+        out["prefix_bytes"] = float(pc.nbytes)
+        return out
+
+    def kv_stats(self) -> dict[str, float]:
+        """KV cache memory: bytes alive now and at most so far (the engine's own tensors), the budget
+        (0: none), slab reallocations, in-place moves, the live KV bytes those two copied, and
+        releases (idle, sleep)."""
+        kv = self._kv
+        return {
+            "kv_bytes": float(kv.meter.live),
+            "kv_peak_bytes": float(kv.meter.peak),
+            "kv_budget_bytes": float(kv.budget or 0),
+            "kv_reallocs": float(kv.reallocs),
+            "kv_moves": float(kv.moves),
+            "kv_copied_bytes": float(kv.copied_bytes),
+            "kv_releases": float(kv.releases),
+            "asleep": float(self._asleep),
+        }
+
+    def sleep_sync(self, offload_weights: bool = False) -> None:
+        """Give the engine's memory back until `wake_sync`: the KV cache is freed (requests in flight
+        keep their tokens; their KV is rebuilt when the engine wakes) and, with `offload_weights`,
+        the model's parameters move to host memory. Only offload a model the engine owns, never a
+        trainer's module it shares. Requests submitted meanwhile wait. Idempotent."""
+        with self._exclusive():
+            if self._asleep:
+                return
+            with self._mu:
+                self._asleep = True
+            b = self._batch
+            if b.n:
+                self._stale_kv = True
+            b.release_cache()
+            self._drop_prefixes()
+            if offload_weights:
+                self._offloaded = offload_parameters(self.model)
+            return_cached_memory(self._device)
+
+    def wake_sync(self) -> None:
+        """Undo `sleep_sync`: weights back in place (the same values), decoding resumes."""
+        with self._exclusive():
+            if self._offloaded is not None:
+                self._offloaded.restore()
+                self._offloaded = None
+            with self._mu:
+                self._asleep = False
+
+    async def sleep(self, offload_weights: bool = False) -> None:
+        await asyncio.to_thread(self.sleep_sync, offload_weights)
+
+    async def wake(self) -> None:
+        await asyncio.to_thread(self.wake_sync)

@@ -61,9 +61,11 @@ Modules
 -------
 This module holds the engine's thread and control. The decode step, and the direct forward it runs
 for Llama-family models, are in `weir.engine.decode`; admission (prefill, retirement) is in
-`weir.engine.admission`, sampling in `weir.engine.sampler`, the running batch and its KV slabs in
+`weir.engine.admission`, which waiting requests join in `weir.engine.scheduler`, sampling in
+`weir.engine.sampler`, the running batch and its KV slabs in
 `weir.engine.slabs`, requests and their futures in `weir.engine.requests`, the random streams in
-`weir.engine.streams`, the KV budget in `weir.engine.kv_budget`, sleep/wake in `weir.engine.memory`,
+`weir.engine.streams`, the KV budget in `weir.engine.kv_budget`, sleep/wake and memory stats in
+`weir.engine.memory`,
 and per-layer-type attention masks in `weir.engine.masks`.
 """
 
@@ -71,7 +73,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import gc
 import random
 import threading
 import time
@@ -91,17 +92,16 @@ from weir.engine.admission import Admission
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.decode import DecodeForward, Decoding
 from weir.engine.kv_budget import (
-    GB,
-    KVBudgetError,
     KVMeter,
     KVState,
     bind_meter,
     measure_cell_bytes,
     resolve_budget,
 )
-from weir.engine.memory import OffloadedWeights, offload_parameters, return_cached_memory
+from weir.engine.memory import EngineMemory, OffloadedWeights, return_cached_memory
 from weir.engine.prefix_cache import PrefixCache
 from weir.engine.requests import Request, set_exception
+from weir.engine.scheduler import Scheduling
 from weir.engine.slabs import RunningBatch
 from weir.engine.support import model_support
 from weir.telemetry.timeline import span
@@ -122,7 +122,7 @@ def _close_live_engines() -> None:
         engine.close(timeout=2.0)
 
 
-class TorchEngine(Admission, Decoding):
+class TorchEngine(Admission, Decoding, Scheduling, EngineMemory):
     """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
 
     Args:
@@ -426,69 +426,6 @@ class TorchEngine(Admission, Decoding):
         out.update(self.prefix_stats())
         return out
 
-    def prefix_stats(self) -> dict[str, float]:
-        """Cross-turn KV reuse: entries stored, hits and misses of ``keep_kv`` lookups, prompt tokens
-        whose KV was reused instead of prefilled, entries evicted, entries and bytes held now."""
-        pc = self._prefix
-        if pc is None:
-            return {}
-        out = {f"prefix_{k}": float(v) for k, v in pc.stats.items()}
-        out["prefix_entries"] = float(len(pc))
-        out["prefix_bytes"] = float(pc.nbytes)
-        return out
-
-    def kv_stats(self) -> dict[str, float]:
-        """KV cache memory: bytes alive now and at most so far (the engine's own tensors), the budget
-        (0: none), slab reallocations, in-place moves, the live KV bytes those two copied, and
-        releases (idle, sleep)."""
-        kv = self._kv
-        return {
-            "kv_bytes": float(kv.meter.live),
-            "kv_peak_bytes": float(kv.meter.peak),
-            "kv_budget_bytes": float(kv.budget or 0),
-            "kv_reallocs": float(kv.reallocs),
-            "kv_moves": float(kv.moves),
-            "kv_copied_bytes": float(kv.copied_bytes),
-            "kv_releases": float(kv.releases),
-            "asleep": float(self._asleep),
-        }
-
-    # -- memory: sleep / wake ----------------------------------------------------------------------
-
-    def sleep_sync(self, offload_weights: bool = False) -> None:
-        """Give the engine's memory back until `wake_sync`: the KV cache is freed (requests in flight
-        keep their tokens; their KV is rebuilt when the engine wakes) and, with `offload_weights`,
-        the model's parameters move to host memory. Only offload a model the engine owns, never a
-        trainer's module it shares. Requests submitted meanwhile wait. Idempotent."""
-        with self._exclusive():
-            if self._asleep:
-                return
-            with self._mu:
-                self._asleep = True
-            b = self._batch
-            if b.n:
-                self._stale_kv = True
-            b.release_cache()
-            self._drop_prefixes()
-            if offload_weights:
-                self._offloaded = offload_parameters(self.model)
-            return_cached_memory(self._device)
-
-    def wake_sync(self) -> None:
-        """Undo `sleep_sync`: weights back in place (the same values), decoding resumes."""
-        with self._exclusive():
-            if self._offloaded is not None:
-                self._offloaded.restore()
-                self._offloaded = None
-            with self._mu:
-                self._asleep = False
-
-    async def sleep(self, offload_weights: bool = False) -> None:
-        await asyncio.to_thread(self.sleep_sync, offload_weights)
-
-    async def wake(self) -> None:
-        await asyncio.to_thread(self.wake_sync)
-
     # -- async API (the Engine protocol) -----------------------------------------------------------
 
     async def generate(
@@ -691,99 +628,3 @@ class TorchEngine(Admission, Decoding):
         self._batch = self._new_batch()
         for req in set(b.reqs):
             set_exception(req.future, exc)
-
-    def _drop_cancelled(self) -> None:
-        with self._mu:
-            cancelled, self._cancelled = self._cancelled, set()
-        b = self._batch
-        gone = [i for i, r in enumerate(b.reqs) if r in cancelled]
-        if gone:
-            b.remove(gone)
-
-    def _take_pending(self) -> list[Request]:
-        taken: list[Request] = []
-        refused: list[tuple[Request, KVBudgetError]] = []
-        rows, longest = self._batch.n, 0
-        with self._mu:
-            while self._pending:
-                req = self._pending[0]
-                if req.future.cancelled():
-                    self._pending.popleft()
-                    continue
-                n = req.params.n
-                longest_if = max(longest, len(req.prompt))
-                fits_rows = rows + n <= self.max_batch_size or rows == 0
-                fits_tokens = longest_if * (len(taken) + 1) <= self.max_prefill_tokens or not taken
-                if not (fits_rows and fits_tokens):
-                    break
-                if (
-                    self._kv.budget is not None
-                    and not self._kv_fits([*taken, req])
-                    and not self._evict_prefixes_for([*taken, req])
-                ):
-                    if taken or self._batch.n:
-                        break  # wait for rows to finish and give their columns back
-                    self._batch.release_cache()  # the idle slabs may be the wrong shape
-                    gc.collect()  # an uncollected cycle may still hold KV tensors
-                    if not self._kv_fits([req]):
-                        self._pending.popleft()
-                        refused.append((req, self._kv_refusal(req)))
-                        continue
-                self._pending.popleft()
-                taken.append(req)
-                rows += n
-                longest = longest_if
-        for req, exc in refused:
-            set_exception(req.future, exc)
-        return taken
-
-    def _max_new(self, req: Request) -> int:
-        return min(req.params.max_new_tokens, self.max_seq_len - len(req.prompt))
-
-    def _kv_fits(self, reqs: list[Request]) -> bool:
-        """Whether admitting `reqs` now keeps the KV bytes alive within the budget: their prefill
-        cache on top of what is alive, then the running slabs (grown if need be) with every sample
-        of every request joined."""
-        b, kv = self._batch, self._kv
-        width = max(len(r.prompt) for r in reqs)
-        prefill = len(reqs) * width * kv.cell
-        if kv.meter.live + prefill > kv.budget:
-            return False
-        new_len = max(b.geo.length if b.n else 0, width)
-        headroom = max(b.remaining(), max(self._max_new(r) - 1 for r in reqs))
-        rows = b.n + sum(r.params.n for r in reqs)
-        return b.plan(rows, new_len + headroom, extra=prefill) is not None
-
-    def _kv_refusal(self, req: Request) -> KVBudgetError:
-        return self._kv_error(len(req.prompt), req.params.n, self._max_new(req))
-
-    def _kv_error(self, prompt_len: int, n: int, max_new: int) -> KVBudgetError:
-        kv = self._kv
-        cols = prompt_len + max_new - 1
-        need = self.kv_request_bytes(prompt_len, n, max_new)
-        return KVBudgetError(
-            f"a request with a {prompt_len}-token prompt, n={n} and up to {max_new} new tokens "
-            f"needs {need / GB:.3g} GiB of KV cache ({n} rows x {cols} columns x {kv.cell} bytes, "
-            f"with its prefill and scratch), more than the engine's KV budget of "
-            f"{kv.budget / GB:.3g} GiB; raise engine.kv_budget_gb (or engine.kv_budget_fraction), "
-            "or lower n / max_new_tokens"
-        )
-
-    def kv_request_bytes(self, prompt_len: int, n: int, max_new_tokens: int) -> int:
-        """KV bytes one request needs at its peak on an otherwise empty engine: its prompt's prefill
-        row, then ``n`` rows of ``prompt_len + max_new - 1`` columns, plus one slab of scratch."""
-        kv = self._kv
-        max_new = min(max_new_tokens, self.max_seq_len - prompt_len)
-        slabs = n * (prompt_len + max_new - 1) * kv.cell
-        return prompt_len * kv.cell + slabs + slabs // kv.tensors
-
-    def check_fits(self, prompt_len: int, n: int, max_new_tokens: int) -> None:
-        """Raise `KVBudgetError` when a request of this size could never be admitted (at start-up,
-        so that a run whose every request would fail is refused before it begins)."""
-        kv = self._kv
-        prompt_len = min(prompt_len, self.max_seq_len - 1)
-        if (
-            kv.budget is not None
-            and self.kv_request_bytes(prompt_len, n, max_new_tokens) > kv.budget
-        ):
-            raise self._kv_error(prompt_len, n, min(max_new_tokens, self.max_seq_len - prompt_len))
