@@ -3,7 +3,7 @@
     python tests/train/shortcut_rank.py RANK WORLD PORT MODEL_DIR OUT_DIR
 
 It trains the same batch (one group with equal rewards: dead rows) three ways from the same
-initial weights, two steps each: the full step (no shortcuts), the default step (fused old
+initial weights, two steps each and then a step on a batch of dead rows only: the full step (no shortcuts), the default step (fused old
 log-probs, dead rows without backward), and the default step with rank 1 alone meeting a
 non-finite log-prob in its first micro-batch (every rank must restart the step together).
 What it saw goes to OUT_DIR/rank<R>.json, and the gathered weights of each way to
@@ -38,9 +38,9 @@ OPTS = [
 KEYS = ("train/loss", "policy/pg_loss", "train/grad_norm", "train/entropy")
 
 
-def groups() -> list[Group]:
+def groups(all_dead: bool = False) -> list[Group]:
     """Three prompts of four responses of uneven lengths; the last group's rewards are all equal,
-    so its rows have zero advantage (dead rows)."""
+    so its rows have zero advantage (dead rows); with `all_dead`, every group's are."""
     g = torch.Generator().manual_seed(3)
     out = []
     for gid, lengths in enumerate([[30, 3, 4, 5], [6, 2, 7, 3], [4, 9, 2, 5]]):
@@ -50,7 +50,7 @@ def groups() -> list[Group]:
                 prompt_ids=prompt,
                 response_ids=torch.randint(6, 200, (n,), generator=g).tolist(),
                 versions=[0] * n,
-                reward=1.0 if gid == 2 else float(i % 2 == 0),
+                reward=1.0 if gid == 2 or all_dead else float(i % 2 == 0),
                 group_id=gid,
                 index=i,
             )
@@ -101,6 +101,7 @@ def run(way: str, model_dir: str, rank: int, out: Path) -> dict:
         actor_module.finite_forward = finite_once_not
     batch = make_batch(groups(), version=0)
     stats = [actor.train(batch) for _ in range(2)]
+    actor.train(make_batch(groups(all_dead=True), version=0))  # AdamW steps on a zero gradient
     actor_module.finite_forward = real_finite
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -65,7 +65,7 @@ def _weights(out: Path, way: str) -> dict[str, torch.Tensor]:
 def test_shortcuts_run_on_the_ranks(seen):
     _, ranks = seen
     for r in ranks:
-        assert r["full"]["logprob_passes"] == 2  # a separate old-log-prob pass per step
+        assert r["full"]["logprob_passes"] == 3  # a separate old-log-prob pass per step
         assert r["default"]["logprob_passes"] == 0  # fused: taken from the update's forward
     # the equal-reward group's rows ran without gradients on some rank
     assert sum(r["default"]["nograd_forwards"] for r in ranks) > 0

@@ -170,6 +170,9 @@ class Actor:
         """Rows computed here, zeros elsewhere -> the rows of every rank."""
         return rows
 
+    def _settle(self) -> None:
+        """Put the parameters back in their resting state after forwards without a backward."""
+
     def _all_finite(self, finite: bool) -> bool:
         """Whether every rank's micro-batch was finite (so that all ranks restart a fused step
         together, or none does)."""
@@ -422,8 +425,9 @@ class Actor:
         step.num_seqs = float(mask[mb].any(1).sum().item())
         dead = self._dead_rows(mask, advantages)
         live = [i for i in mb if dead is None or not dead[i]]
-        # the dead rows' forwards come first: under FSDP2 a forward between the backwards and the
-        # optimizer step drops the gradients of the root module's parameters (seen: 2 of 46)
+        # the dead rows' forwards come first: a forward without a backward leaves an FSDP2 root
+        # module unsharded, and gradients accumulated before it would miss the sharded parameters
+        # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
         rest = [i for i in mb if dead is not None and dead[i]]
         runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
         if live:
@@ -440,6 +444,7 @@ class Actor:
             if old is None and not self._all_finite(finite):
                 raise _NonFiniteOld
         if not live:  # a zero gradient, on which AdamW still steps (its moments decay)
+            self._settle()
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)

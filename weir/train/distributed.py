@@ -177,6 +177,12 @@ class ShardedActor(Actor):
         if backward:
             (out.logits.float().sum() * 0.0).backward()
 
+    def _settle(self) -> None:
+        # FSDP2 keeps the root module unsharded after a forward (its backward would gather it
+        # again); with no backward to come, reshard it so that its parameters are DTensors again
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()
+
     def _all_finite(self, finite: bool) -> bool:
         flag = torch.tensor([1.0 if finite else 0.0], device=self._comm)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
