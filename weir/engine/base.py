@@ -25,6 +25,7 @@ response that was in flight while weights were updated carries tokens of both ve
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -118,3 +119,19 @@ class Engine(Protocol):
     async def resume(self) -> None: ...
 
     async def abort(self) -> None: ...
+
+
+class SyncControl:
+    """The Engine protocol's async `pause` / `resume` / `abort` for an engine whose control is
+    blocking (`pause_sync`, `resume_sync`, `abort_sync`): pause and abort wait for the decode loop,
+    so they run in a worker thread and the event loop keeps serving; resume only signals, so it
+    runs in place."""
+
+    async def pause(self) -> None:
+        await asyncio.to_thread(self.pause_sync)
+
+    async def resume(self) -> None:
+        self.resume_sync()
+
+    async def abort(self) -> None:
+        await asyncio.to_thread(self.abort_sync)

@@ -13,14 +13,13 @@ means the same step whichever role produced it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from weir.engine.base import Completion, SamplingParams
+from weir.engine.base import Completion, SamplingParams, SyncControl
 
 SEP = "/"
 """Between the role and the parameter name in a routed weight's name (role names have no '/')."""
@@ -40,7 +39,7 @@ def split_weights(
     return out
 
 
-class RoleRouter:
+class RoleRouter(SyncControl):
     """Routes each request to its role's engine; pause, resume, abort, sleep, close and weight
     updates go to every engine.
 
@@ -99,15 +98,6 @@ class RoleRouter:
             raise ValueError(f"update_weights: no weights for role(s) {missing}")
         for role, tensors in parts.items():
             await self.engines[role].update_weights(tensors, version)
-
-    async def pause(self) -> None:
-        await asyncio.to_thread(self.pause_sync)
-
-    async def resume(self) -> None:
-        self.resume_sync()
-
-    async def abort(self) -> None:
-        await asyncio.to_thread(self.abort_sync)
 
     # -- what the loops call on the built-in engine ---------------------------------------------
 

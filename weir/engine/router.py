@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weir.engine.base import Completion, SamplingParams
+from weir.engine.base import Completion, SamplingParams, SyncControl
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def least_loaded(outstanding: list[int], healthy: list[bool]) -> int | None:
     return min(live, key=lambda k: (outstanding[k], k)) if live else None
 
 
-class Router:
+class Router(SyncControl):
     """Engine protocol over `replicas` (Ray actor handles of `EngineWorker`).
 
     Args:
@@ -216,14 +216,8 @@ class Router:
         finally:
             self.wake_sync()
 
-    async def pause(self) -> None:
-        await asyncio.to_thread(self.pause_sync)
-
     async def resume(self) -> None:
-        await asyncio.to_thread(self.resume_sync)
-
-    async def abort(self) -> None:
-        await asyncio.to_thread(self.abort_sync)
+        await asyncio.to_thread(self.resume_sync)  # a Ray call to every replica: it waits
 
     def stats(self) -> dict[str, float]:
         """Counters summed over the healthy replicas (busy_s: their mean), plus the router's

@@ -89,7 +89,7 @@ from transformers import PreTrainedModel
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.engine.admission import Admission
-from weir.engine.base import Completion, SamplingParams
+from weir.engine.base import Completion, SamplingParams, SyncControl
 from weir.engine.decode import DecodeForward, Decoding
 from weir.engine.kv_budget import (
     KVMeter,
@@ -122,7 +122,7 @@ def _close_live_engines() -> None:
         engine.close(timeout=2.0)
 
 
-class TorchEngine(Admission, Decoding, Scheduling, EngineMemory):
+class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
     """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
 
     Args:
@@ -440,15 +440,6 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
         await asyncio.to_thread(self.update_weights_sync, named_tensors, version)
-
-    async def pause(self) -> None:
-        await asyncio.to_thread(self.pause_sync)
-
-    async def resume(self) -> None:
-        self.resume_sync()
-
-    async def abort(self) -> None:
-        await asyncio.to_thread(self.abort_sync)
 
     # -- internals: control ------------------------------------------------------------------------
 
