@@ -105,81 +105,55 @@ def tiny_vlm_config(
     half = hidden // heads // 2  # M-RoPE splits the rotary half-dimensions into (t, h, w) sections
     section = [half - 2 * (half // 3), half // 3, half // 3]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    if arch == "qwen3_vl":
-        return _qwen3_vl_config(tokenizer, dims, section, ids)
-    return Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            max_position_embeddings=512,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": section,
-            },
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None,
-            tie_word_embeddings=True,
-            **dims,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            out_hidden_size=hidden,
-            patch_size=PATCH,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=2,
-            window_size=PATCH * MERGE * 2,  # 2x2 merged tokens per window
-            fullatt_block_indexes=[1],
-        ),
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    text = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        **dims,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        out_hidden_size=hidden,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+    )
+    tokens = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
-
-
-def _qwen3_vl_config(
-    tokenizer: PreTrainedTokenizerFast, dims: dict, section: list[int], ids: dict[str, int]
-) -> Qwen3VLConfig:
-    hidden, heads = dims["hidden_size"], dims["num_attention_heads"]
-    return Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            max_position_embeddings=512,
-            head_dim=hidden // heads,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": section,
-                "mrope_interleaved": True,
-            },
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None,
-            tie_word_embeddings=True,
-            **dims,
-        ),
+    if arch == "qwen3_vl":
+        return Qwen3VLConfig(
+            text_config=dict(
+                text,
+                head_dim=hidden // heads,
+                rope_parameters={**rope, "mrope_interleaved": True},
+            ),
+            vision_config=dict(
+                vision,
+                num_position_embeddings=64,  # an 8x8 grid, interpolated to the image's patch grid
+                deepstack_visual_indexes=[0],
+            ),
+            **tokens,
+        )
+    return Qwen2_5_VLConfig(
+        text_config=dict(text, rope_parameters=rope),
         vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            out_hidden_size=hidden,
-            patch_size=PATCH,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=2,
-            num_position_embeddings=64,  # an 8x8 grid, interpolated to the image's patch grid
-            deepstack_visual_indexes=[0],
+            vision,
+            window_size=PATCH * MERGE * 2,  # 2x2 merged tokens per window
+            fullatt_block_indexes=[1],
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
+        **tokens,
     )
 
 
