@@ -125,9 +125,8 @@ def role_summary(evals: list[dict[str, float]]) -> dict[str, float]:
     for key in evals[0]:
         parts = key.split("/")
         if len(parts) == 3 and parts[2] == "accuracy":
-            last = [e[key] for e in evals[-3:] if key in e]
-            out[f"role/{parts[1]}/accuracy_after_sft"] = evals[0][key]
-            out[f"role/{parts[1]}/accuracy_after_rl_last3_mean"] = sum(last) / len(last)
+            name = f"role/{parts[1]}/accuracy"
+            out[f"{name}_after_sft"], out[f"{name}_after_rl_last3_mean"] = _sft_and_rl(evals, key)
     return out
 
 
@@ -139,8 +138,13 @@ def breakdown_summary(evals: list[dict[str, float]]) -> dict[str, float]:
     for key in evals[0]:
         parts = key.split("/")
         if len(parts) == 4 and parts[0] == "eval" and parts[3] == "accuracy":
-            last = [e[key] for e in evals if key in e][-3:]
             name = f"by/{parts[1]}={parts[2]}/accuracy"
-            out[f"{name}_after_sft"] = evals[0][key]
-            out[f"{name}_after_rl_last3_mean"] = sum(last) / len(last)
+            out[f"{name}_after_sft"], out[f"{name}_after_rl_last3_mean"] = _sft_and_rl(evals, key)
     return out
+
+
+def _sft_and_rl(evals: list[dict[str, float]], key: str) -> tuple[float, float]:
+    """`key` after SFT (the first evaluation) and after RL (the mean of the last three evaluations
+    that report it)."""
+    last = [e[key] for e in evals if key in e][-3:]
+    return evals[0][key], sum(last) / len(last)
