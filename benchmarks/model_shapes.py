@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from weir.tasks.tiny_model import SIZES
+
 QWEN25: dict[str, dict[str, Any]] = {
     # hidden, layers, heads, KV heads, MLP, vocabulary; tied embeddings up to 3B
     "0.5b": dict(
@@ -47,14 +49,7 @@ QWEN25: dict[str, dict[str, Any]] = {
 }
 
 SMALL: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=384,
-        vocab_size=512,
-    ),
+    "tiny": {**SIZES["tiny"], "vocab_size": 512},  # weir's tiny:tiny with a 512-token vocabulary
     "40m": dict(
         hidden_size=512,
         num_hidden_layers=8,
