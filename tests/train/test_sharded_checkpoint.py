@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from tests.toy import toy_groups
+from tests.train.launch import run_ranks
 from tests.train.sharded_rank import KEYS, OPTS
 from weir.config import build_config
 from weir.tasks.tiny_model import build_tokenizer
@@ -62,25 +60,9 @@ def model_dir(tmp_path_factory) -> Path:
 def ranks(model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     """Run the two ranks once; (their work directory, what each reported)."""
     work = tmp_path_factory.mktemp("ranks")
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    script = str(ROOT / "tests" / "train" / "sharded_rank.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(r), str(WORLD), str(port), str(model_dir), str(work)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, o in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, o[-3000:]
+    script = ROOT / "tests" / "train" / "sharded_rank.py"
+    for code, o in run_ranks(script, [str(model_dir), str(work)], WORLD, timeout=300):
+        assert code == 0, o[-3000:]
     return work, [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

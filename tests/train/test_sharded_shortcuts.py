@@ -5,55 +5,23 @@ log-prob on one rank restarts the step on every rank instead of hanging the coll
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.train.launch import run_ranks
 from tests.train.shortcut_rank import KEYS
-from weir.train.distributed import free_port
 
-ROOT = Path(__file__).parents[2]
 WORLD = 2
-
-
-def _run_ranks(model_dir: Path, out: Path) -> list[tuple[int, str]]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    script = str(ROOT / "tests" / "train" / "shortcut_rank.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(r), str(WORLD), str(port), str(model_dir), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("the ranks hung: a collective went out of step")
-    return [(p.returncode, o) for p, o in zip(procs, outputs, strict=True)]
 
 
 @pytest.fixture(scope="module")
 def seen(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("shortcut-ranks")
-    results = _run_ranks(tiny_model_dir, out)
-    if any("Address already in use" in o for _, o in results):  # the free port was taken meanwhile
-        results = _run_ranks(tiny_model_dir, out)
-    for code, o in results:
+    script = Path(__file__).parent / "shortcut_rank.py"
+    for code, o in run_ranks(script, [str(tiny_model_dir), str(out)], WORLD, timeout=240):
         assert code == 0, o[-3000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
