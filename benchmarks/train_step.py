@@ -2,8 +2,10 @@
 
 before: padded rows, old log-probs from a separate no-grad pass, backward through every row (the
         step as it was with `train.packing=auto` on a CPU).
-after:  `train.packing=auto` now: the prefix layout (each distinct prompt runs once), old
-        log-probs from the update's own forward, no backward for rows of zero advantage.
+forward: `train.packing=auto` with `train.dead_rows=forward`: the prefix layout (each distinct
+        prompt runs once), old log-probs from the update's own forward, no backward for rows of
+        zero advantage (their forward runs, for metrics over every row).
+skip:   the default now: as `forward`, and no forward either for rows of zero advantage.
 
 Batches are shaped like vs_trl.py's workloads on weir's tiny model (8-token prompts): A = 32
 prompts x 8 answers of 2-4 tokens, B = 8 prompts x 8 answers of 128 tokens; each sample is right
@@ -58,11 +60,20 @@ def batch_of(workload: str, p_correct: float, seed: int):
     return make_batch(groups, version=0)
 
 
-def actor(model_dir: str, after: bool) -> Actor:
+VARIANTS = ("before", "forward", "skip")
+
+
+def actor(model_dir: str, variant: str) -> Actor:
     model, _ = load_model(model_dir)
-    packing = "auto" if after else "padded"
+    after = variant != "before"
     cfg = build_config(
-        {}, [f"train.packing={packing}", "train.lr=5e-5", "rollout.max_new_tokens=128"]
+        {},
+        [
+            f"train.packing={'auto' if after else 'padded'}",
+            f"train.dead_rows={'skip' if variant == 'skip' else 'forward'}",
+            "train.lr=5e-5",
+            "rollout.max_new_tokens=128",
+        ],
     )
     a = Actor(model, ActorSettings.from_config(cfg))
     a.fuses_old_logprobs = a.skips_dead_backward = after
@@ -87,22 +98,33 @@ def main() -> None:
         print(f"load average {os.getloadavg()[0]:.1f}; {args.reps} steps each, alternating")
         for wl in SHAPES:
             batches = [batch_of(wl, args.p_correct, seed) for seed in range(args.reps + 1)]
-            actors = {"before": actor(model_dir, False), "after": actor(model_dir, True)}
+            actors = {v: actor(model_dir, v) for v in VARIANTS}
             times: dict[str, list[float]] = {k: [] for k in actors}
+            dead = []
             for rep, batch in enumerate(batches):
-                for name in ("before", "after") if rep % 2 else ("after", "before"):
+                k = rep % len(VARIANTS)
+                for name in VARIANTS[k:] + VARIANTS[:k]:  # each variant goes first in turn
                     t = time.perf_counter()
-                    actors[name].train(batch)
+                    stats = actors[name].train(batch)
                     if rep:  # the first step warms up
                         times[name].append(time.perf_counter() - t)
-            b, a = statistics.median(times["before"]), statistics.median(times["after"])
-            ratios = [x / y for x, y in zip(times["before"], times["after"], strict=True)]
-            print(
-                f"{wl}: before {b:.2f} s/step ({min(times['before']):.2f}-{max(times['before']):.2f}), "
-                f"after {a:.2f} s/step ({min(times['after']):.2f}-{max(times['after']):.2f}); "
-                f"speed-up {b / a:.1f}x (per-step pairs {min(ratios):.1f}-{max(ratios):.1f}x); "
-                f"load {os.getloadavg()[0]:.1f}"
+                    if name == "skip":
+                        dead.append(stats["train/dead_rows"])
+            line = [f"{wl} (dead rows {statistics.mean(dead):.0%})"]
+            for name in VARIANTS:
+                t = times[name]
+                line.append(f"{name} {statistics.median(t):.3f} s/step ({min(t):.3f}-{max(t):.3f})")
+            for name in VARIANTS[1:]:
+                ratios = [x / y for x, y in zip(times["before"], times[name], strict=True)]
+                line.append(
+                    f"before/{name} {statistics.median(ratios):.2f}x "
+                    f"({min(ratios):.2f}-{max(ratios):.2f})"
+                )
+            ratios = [x / y for x, y in zip(times["forward"], times["skip"], strict=True)]
+            line.append(
+                f"forward/skip {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
             )
+            print("; ".join(line) + f"; load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
     python tests/train/shortcut_rank.py RANK WORLD PORT MODEL_DIR OUT_DIR
 
-It trains the same batch (one group with equal rewards: dead rows) three ways from the same
-initial weights, two steps each and then a step on a batch of dead rows only: the full step (no shortcuts), the default step (fused old
-log-probs, dead rows without backward), and the default step with rank 1 alone meeting a
-non-finite log-prob in its first micro-batch (every rank must restart the step together).
+It trains the same batch (one group with equal rewards: dead rows) four ways from the same
+initial weights, two steps each and then a step on a batch of dead rows only: the full step (no
+shortcuts), the default step (fused old log-probs, dead rows without forward or backward), the
+step with `train.dead_rows=forward` (dead rows run a forward without gradients, before the
+gradient micro-batches), and the default step with rank 1 alone meeting a non-finite log-prob in
+its first micro-batch (every rank must restart the step together).
 What it saw goes to OUT_DIR/rank<R>.json, and the gathered weights of each way to
 OUT_DIR/<way>.pt on rank 0.
 """
@@ -83,9 +85,10 @@ class Spy:
 
 def run(way: str, model_dir: str, rank: int, out: Path) -> dict:
     torch.manual_seed(0)
+    opts = OPTS + (["train.dead_rows=forward"] if way == "forward" else [])
     actor = ShardedActor(
         AutoModelForCausalLM.from_pretrained(model_dir),
-        ActorSettings.from_config(build_config({}, OPTS)),
+        ActorSettings.from_config(build_config({}, opts)),
     )
     if way == "full":
         actor.fuses_old_logprobs = actor.skips_dead_backward = False
@@ -123,7 +126,9 @@ def main(rank: int, world: int, port: int, model_dir: str, out: Path) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    seen = {way: run(way, model_dir, rank, out) for way in ("full", "default", "injected")}
+    seen = {
+        way: run(way, model_dir, rank, out) for way in ("full", "default", "forward", "injected")
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 

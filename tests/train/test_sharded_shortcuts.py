@@ -1,6 +1,7 @@
 """The trainer's one-process shortcuts on FSDP2 ranks (two real gloo ranks, no Ray): fused old
-log-probs and dead rows without backward give the full step's update, and a non-finite
-log-prob on one rank restarts the step on every rank instead of hanging the collectives."""
+log-probs and dead rows without backward (by default without forward too) give the full step's
+update, and a non-finite log-prob on one rank restarts the step on every rank instead of hanging
+the collectives."""
 
 from __future__ import annotations
 
@@ -34,24 +35,30 @@ def test_shortcuts_run_on_the_ranks(seen):
     _, ranks = seen
     for r in ranks:
         assert r["full"]["logprob_passes"] == 3  # a separate old-log-prob pass per step
-        assert r["default"]["logprob_passes"] == 0  # fused: taken from the update's forward
-    # the equal-reward group's rows ran without gradients on some rank
-    assert sum(r["default"]["nograd_forwards"] for r in ranks) > 0
-    assert sum(r["default"]["grad_forwards"] for r in ranks) < sum(
-        r["full"]["grad_forwards"] for r in ranks
-    )
+        assert r["default"]["logprob_passes"] == r["forward"]["logprob_passes"] == 0  # fused
+        assert r["default"]["nograd_forwards"] == 0  # dead rows skipped: no forward at all
+    # with train.dead_rows=forward the equal-reward group's rows ran without gradients
+    assert sum(r["forward"]["nograd_forwards"] for r in ranks) > 0
+    for way in ("default", "forward"):
+        assert sum(r[way]["grad_forwards"] for r in ranks) < sum(
+            r["full"]["grad_forwards"] for r in ranks
+        )
 
 
 def test_shortcut_update_equals_the_full_step(seen, tiny_model_dir):
     out, ranks = seen
-    for got, want in zip(ranks[0]["default"]["stats"], ranks[0]["full"]["stats"], strict=True):
-        for key in KEYS:
-            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
-    full, default = _weights(out, "full"), _weights(out, "default")
+    for way in ("default", "forward"):
+        for got, want in zip(ranks[0][way]["stats"], ranks[0]["full"]["stats"], strict=True):
+            # the default step's entropy covers the trained rows only
+            for key in KEYS if way == "forward" else set(KEYS) - {"train/entropy"}:
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (way, key)
+    full = _weights(out, "full")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    assert set(default) == set(full)
     assert max((full[k] - start[k]).abs().max().item() for k in full) > 1e-3  # it trained
-    assert max((full[k] - default[k]).abs().max().item() for k in full) < 1e-5
+    for way in ("default", "forward"):
+        got = _weights(out, way)
+        assert set(got) == set(full)
+        assert max((full[k] - got[k]).abs().max().item() for k in full) < 1e-5, way
 
 
 def test_a_non_finite_log_prob_on_one_rank_restarts_the_step_on_both(seen):

@@ -146,6 +146,10 @@ def test_auto_picks_prefix_for_shared_prompts_and_says_why(caplog):
 
 
 def _grpo_batch(prompts: int, n: int, seed: int, marker: tuple[int, int] | None = None):
+    return make_batch(_grpo_groups(prompts, n, seed, marker), version=0)
+
+
+def _grpo_groups(prompts: int, n: int, seed: int, marker: tuple[int, int] | None = None):
     """`prompts` groups of `n`: 8-token prompts, 2-5 token answers (the demo's shape), rewards
     0/1 (every third group all 1: zero advantage), engine log-probs of about -4. `marker`
     (sample, token) puts token MARK into one sample's response (it is drawn nowhere else)."""
@@ -170,13 +174,15 @@ def _grpo_batch(prompts: int, n: int, seed: int, marker: tuple[int, int] | None 
                 )
             )
         groups.append(Group(samples=samples, group_id=g))
-    return make_batch(groups, version=0)
+    return groups
 
 
-def _actor(packing: str, *, fused: bool, dead: bool) -> Actor:
+def _actor(packing: str, *, fused: bool, dead: bool, dead_rows: str = "forward") -> Actor:
     """An actor with old log-probs recomputed; `fused`: from the update's forward; `dead`: rows of
-    zero advantage without backward."""
-    cfg = build_config({}, [f"train.packing={packing}", "train.lr=1e-3"])
+    zero advantage without backward (and, with `dead_rows=skip`, without forward)."""
+    cfg = build_config(
+        {}, [f"train.packing={packing}", "train.lr=1e-3", f"train.dead_rows={dead_rows}"]
+    )
     actor = Actor(_model(seed=1), ActorSettings.from_config(cfg))
     actor.fuses_old_logprobs, actor.skips_dead_backward = fused, dead
     return actor
@@ -216,6 +222,29 @@ def test_cpu_step_costs_a_fraction_of_the_padded_two_pass_step_and_trains_the_sa
         assert f < 0.9 * f_none and torch.allclose(g, g_base, atol=1e-6, rtol=1e-4)
         for key in METRICS:
             assert stats[key] == pytest.approx(s_base[key], rel=1e-4, abs=1e-6), key
+
+
+def test_skipping_dead_rows_trains_the_same_and_measures_the_trained_rows():
+    """`train.dead_rows=skip` (the default) runs no forward for rows of zero advantage: the same
+    gradient for fewer operations, and the per-token metrics are those of the trained rows alone,
+    i.e. those of a step on a batch holding only the groups whose rewards differ."""
+    groups = _grpo_groups(16, 8, seed=0)
+    live = [g for g in groups if len({s.reward for s in g.samples}) > 1]
+    dead_share = 1 - sum(len(g.samples) for g in live) / sum(len(g.samples) for g in groups)
+    assert 0.3 < dead_share < 0.5
+    batch = make_batch(groups, version=0)
+    s_full, g_full, f_full = _step(_actor("auto", fused=True, dead=True), batch)
+    skip = _actor("auto", fused=True, dead=True, dead_rows="skip")
+    s_skip, g_skip, f_skip = _step(skip, batch)
+    assert torch.allclose(g_skip, g_full, atol=1e-6, rtol=1e-4)
+    assert s_skip["train/loss"] == pytest.approx(s_full["train/loss"], rel=1e-4, abs=1e-6)
+    # a forward is a third of a forward and backward: the dead rows' share of tokens, a third
+    assert f_skip < (1 - dead_share / 3 * 0.8) * f_full, (f_skip, f_full)
+    assert s_skip["train/dead_rows"] == s_full["train/dead_rows"] == pytest.approx(dead_share)
+    s_live, _, _ = _step(_actor("auto", fused=True, dead=True), make_batch(live, version=0))
+    for key in ("train/entropy", "policy/ratio_mean", "mismatch/abs_logp_diff", "mismatch/kl"):
+        assert s_skip[key] == pytest.approx(s_live[key], rel=1e-6, abs=1e-7), key
+    assert s_skip["train/entropy"] != pytest.approx(s_full["train/entropy"], rel=1e-6)
 
 
 def test_a_step_where_every_advantage_is_zero_still_steps_adamw_on_a_zero_gradient():

@@ -233,6 +233,12 @@ class TrainConfig(Section):
     logprob_chunk_tokens: int = Field(256, ge=1)
     """Response tokens per chunk of the log-prob / entropy computation: at most this many rows of
     vocabulary-sized float32 temporaries exist at once."""
+    dead_rows: Literal["skip", "forward"] = "skip"
+    """Rows whose gradient is exactly zero (every trained token has advantage 0: a GRPO group of
+    equal rewards, a masked-out sample; built-in losses without entropy bonus or KL-in-loss only):
+    `skip` runs no forward for them (the same update; the entropy, policy and mismatch metrics
+    then cover the trained rows); `forward` runs them without gradients so those metrics cover
+    every row (docs/trainer-step.md)."""
     packing: Literal["auto", "packed", "padded", "prefix"] = "auto"
     """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
     sequence; `prefix`: sequences sharing a prompt (a GRPO group) run it once, their responses on its

@@ -41,7 +41,8 @@ class Actor:
     fuses_old_logprobs = True
     """A step of one update takes recomputed old log-probs from its own forward (`_fused_old`)."""
     skips_dead_backward = True
-    """Rows that cannot move the weights run their forward without gradients (`_dead_rows`)."""
+    """Rows that cannot move the weights take no backward, and with `train.dead_rows=skip` no
+    forward either (`_dead_rows`)."""
 
     def __init__(self, model: torch.nn.Module, settings: ActorSettings) -> None:
         self.settings = settings
@@ -328,6 +329,9 @@ class Actor:
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
             mask = adv.mask  # samples with non-finite rewards are excluded
+        dead = self._dead_rows(mask, adv.advantages)
+        if dead is not None:
+            stats["train/dead_rows"] = float(dead.float().mean())
         if critic is not None:
             frozen = critic.actor_frozen
             stats.update(critic.train(batch, values["values"], adv.returns, mask))
@@ -429,6 +433,9 @@ class Actor:
         # module unsharded, and gradients accumulated before it would miss the sharded parameters
         # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
         rest = [i for i in mb if dead is not None and dead[i]]
+        if self.tcfg.dead_rows == "skip":
+            rest = []  # the loss's normalisers above still count their tokens and rows
+        step.metric_tokens = float(mask[live + rest].sum().item())
         runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
         if live:
             runs += [(idx, True) for idx in self._micro_batches(live, seqs, lens)]
@@ -504,7 +511,7 @@ class Actor:
         if grad:
             with span("backward", cat="train"):
                 loss.backward()
-        share = float(m.sum().item()) / max(num_tokens, 1.0)
+        share = float(m.sum().item()) / max(step.metric_tokens, 1.0)
         sums["train/loss"] += loss.item()
         for k, v in pg.items():
             if k in ("loss", "tokens"):
@@ -534,9 +541,9 @@ class Actor:
         Every built-in policy loss is the advantage times a function of the log-probs, per token
         (per sequence for GSPO), so a row whose trained tokens all have A = 0 (a GRPO group with
         equal rewards, a masked-out sample) adds exactly 0 to the gradient unless an entropy bonus
-        or a KL term in the loss depends on its log-probs. Such rows still run their forward (the
-        metrics cover every row) but build no graph and take no backward. A user's loss (a dotted
-        path) may depend on more, so with one every row trains.
+        or a KL term in the loss depends on its log-probs. Such rows take no backward, and no
+        forward either unless `train.dead_rows=forward` asks for metrics over every row. A user's
+        loss (a dotted path) may depend on more, so with one every row trains.
         """
         if (
             not self.skips_dead_backward
@@ -593,6 +600,8 @@ class _MiniBatch:
     peaks: dict[str, float]
     num_tokens: float = 0.0
     num_seqs: float = 0.0
+    metric_tokens: float = 0.0
+    """Trained tokens of the rows whose forward runs: the weights of per-token metric means."""
 
 
 class _NonFiniteOld(Exception):
