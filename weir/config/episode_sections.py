@@ -64,6 +64,12 @@ class AgentConfig(Section):
     """gamma in env_return = sum_t gamma^t r_t over the environment's per-step rewards."""
 
 
+ROLE_SEP = "/"
+"""Joins a role's name to another name: its policy's parameters when each role has its own
+(`<role>/<parameter>`, weir.train.role_trainer and weir.engine.role_router) and its metrics.
+`RoleConfig.name` cannot contain it."""
+
+
 class RoleConfig(Section):
     """One role of a multi-agent episode."""
 

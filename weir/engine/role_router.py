@@ -19,10 +19,8 @@ from typing import Any
 
 import torch
 
+from weir.config.episode_sections import ROLE_SEP
 from weir.engine.base import Completion, SamplingParams, SyncControl
-
-SEP = "/"
-"""Between the role and the parameter name in a routed weight's name (role names have no '/')."""
 
 
 def split_weights(
@@ -32,7 +30,7 @@ def split_weights(
     known role raises KeyError."""
     out: dict[str, list[tuple[str, torch.Tensor]]] = {r: [] for r in roles}
     for full, tensor in named_tensors:
-        role, _, name = full.partition(SEP)
+        role, _, name = full.partition(ROLE_SEP)
         if role not in out or not name:
             raise KeyError(f"weight {full!r} names no role of {sorted(out)} ('<role>/<name>')")
         out[role].append((name, tensor))

@@ -20,11 +20,8 @@ from typing import Any
 
 import torch
 
+from weir.config.episode_sections import ROLE_SEP
 from weir.train.batch import TrainBatch
-
-SEP = "/"
-"""Between the role and the parameter name in `RoleTrainer.weights` (as `weir.engine.role_router`
-splits them; role names have no '/')."""
 
 COUNTERS = (
     "train/skipped_updates",
@@ -117,9 +114,9 @@ class RoleTrainer:
     def __init__(self, actors: dict[str, Any]) -> None:
         if not actors:
             raise ValueError("RoleTrainer needs at least one role's actor")
-        bad = [r for r in actors if SEP in r]
+        bad = [r for r in actors if ROLE_SEP in r]
         if bad:
-            raise ValueError(f"role names may not contain {SEP!r}: {bad}")
+            raise ValueError(f"role names may not contain {ROLE_SEP!r}: {bad}")
         self.actors = dict(actors)
 
     @property
@@ -148,7 +145,7 @@ class RoleTrainer:
         """Every role's named parameters as ``"<role>/<name>"`` (`weir.engine.role_router`)."""
         for role, actor in self.actors.items():
             for name, tensor in actor.weights():
-                yield f"{role}{SEP}{name}", tensor
+                yield f"{role}{ROLE_SEP}{name}", tensor
 
     def state_dict(self) -> dict[str, Any]:
         """Each role's optimizer, schedule, KL coefficient and counters."""
