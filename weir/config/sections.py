@@ -236,9 +236,10 @@ class TrainConfig(Section):
     dead_rows: Literal["skip", "forward"] = "skip"
     """Rows whose gradient is exactly zero (every trained token has advantage 0: a GRPO group of
     equal rewards, a masked-out sample; built-in losses without entropy bonus or KL-in-loss only):
-    `skip` runs no forward for them (the same update; the entropy, policy and mismatch metrics
-    then cover the trained rows); `forward` runs them without gradients so those metrics cover
-    every row (docs/trainer-step.md)."""
+    `skip` runs no forward for them when the step has rows that train (the same update; the
+    entropy, policy and mismatch metrics then cover the trained rows; a step of such rows only
+    runs their forward, so every step has those metrics); `forward` always runs them without
+    gradients so those metrics cover every row (docs/trainer-step.md)."""
     packing: Literal["auto", "packed", "padded", "prefix"] = "auto"
     """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
     sequence; `prefix`: sequences sharing a prompt (a GRPO group) run it once, their responses on its

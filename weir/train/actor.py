@@ -433,8 +433,10 @@ class Actor:
         # module unsharded, and gradients accumulated before it would miss the sharded parameters
         # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
         rest = [i for i in mb if dead is not None and dead[i]]
-        if self.tcfg.dead_rows == "skip":
-            rest = []  # the loss's normalisers above still count their tokens and rows
+        if self.tcfg.dead_rows == "skip" and live:
+            # the loss's normalisers above still count their tokens and rows; a step of dead rows
+            # only runs their forward, so that every step has its metrics (mismatch, entropy)
+            rest = []
         step.metric_tokens = float(mask[live + rest].sum().item())
         runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
         if live:
