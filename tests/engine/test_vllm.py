@@ -218,13 +218,21 @@ def test_killed_server_restarts_with_current_weights_and_requests_continue(engin
     proc = engine.replicas[0].process
     os.killpg(proc.pid, signal.SIGKILL)
     t.join(600)
+    results = [out["r"]]
+    if engine.restarts == 0 and engine.retries == 0:
+        # under heavy CPU load the server can still write every token into the client's socket
+        # before the kill, which then interrupts nothing (seen in CI): the next request meets
+        # the dead server and must bring it back
+        results.append(engine.generate_many(ps, params))
     assert engine.restarts == 1 and engine.retries >= 1
-    # greedy under the restored weights: exactly the uninterrupted text, nothing lost or repeated
-    assert [g[0].token_ids for g in out["r"]] == [r[0].token_ids for r in ref]
-    for p, [c] in zip(ps, out["r"], strict=True):
-        assert c.versions == [3] * len(c.token_ids)
-        want = trainer_logprobs(new, p, c.token_ids, 0.0)
-        assert torch.allclose(torch.tensor(c.logprobs), want, atol=LOGPROB_BOUND, rtol=0)
+    for res in results:
+        # greedy under the restored weights: exactly the uninterrupted text, nothing lost or
+        # repeated
+        assert [g[0].token_ids for g in res] == [r[0].token_ids for r in ref]
+        for p, [c] in zip(ps, res, strict=True):
+            assert c.versions == [3] * len(c.token_ids)
+            want = trainer_logprobs(new, p, c.token_ids, 0.0)
+            assert torch.allclose(torch.tensor(c.logprobs), want, atol=LOGPROB_BOUND, rtol=0)
 
 
 # -- GRPO through weir's loops with the vLLM engine (attached to the module's server) ---------------
