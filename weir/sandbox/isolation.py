@@ -94,14 +94,22 @@ def _prefix(python: str) -> str:
 
 
 def _probe(cmd: list[str], uid: int | None) -> bool:
+    """Whether `cmd` (a level's wrapper around an empty Python run) succeeds. A second try, with
+    a longer timeout, follows a failure: on a machine busy with other jobs one run can time out,
+    and a level the user asked for must not be refused for that."""
     kwargs = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
-    try:
-        r = subprocess.run(
-            cmd, capture_output=True, timeout=20, cwd=tempfile.gettempdir(), **kwargs
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0
+    for timeout in (20, 60):
+        try:
+            r = subprocess.run(
+                cmd, capture_output=True, timeout=timeout, cwd=tempfile.gettempdir(), **kwargs
+            )
+        except subprocess.TimeoutExpired:
+            continue
+        except (OSError, subprocess.SubprocessError):
+            return False
+        if r.returncode == 0:
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=8)
