@@ -359,6 +359,7 @@ class Actor:
                     adv.advantages,
                     weights,
                     first=first,
+                    dead=dead,
                 )
                 tok = metrics.pop("_tokens")
                 n_tokens += tok
@@ -389,9 +390,10 @@ class Actor:
         return stats
 
     def _update(
-        self, batch, mb, mask, old, ref, advantages, weights, *, first: bool
+        self, batch, mb, mask, old, ref, advantages, weights, *, first: bool, dead
     ) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step."""
+        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step. `dead`: the
+        step's rows that cannot move the weights (`_dead_rows`)."""
         num_tokens = float(mask[mb].sum().item())
         sums: dict[str, float] = defaultdict(float)
         peaks: dict[str, float] = {}
@@ -401,7 +403,9 @@ class Actor:
             return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
         self.optimizer.zero_grad(set_to_none=True)
         with grad_mode(self.model, self.tcfg.gradient_checkpointing):
-            self._accumulate(batch, mb, mask, old, ref, advantages, weights, first, sums, peaks)
+            self._accumulate(
+                batch, mb, mask, old, ref, advantages, weights, first, sums, peaks, dead
+            )
         sums, peaks = self._reduce_metrics(sums, peaks)
         with span("optimizer", cat="train"):
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -420,14 +424,13 @@ class Actor:
         return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 
     def _accumulate(
-        self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks
+        self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks, dead
     ) -> None:
         """Forward and backward over the micro-batches of mini-batch `mb`, adding up metrics."""
         seqs, lens = batch.sequences, batch.response_lengths
         step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, sums, peaks)
         step.num_tokens = float(mask[mb].sum().item())
         step.num_seqs = float(mask[mb].any(1).sum().item())
-        dead = self._dead_rows(mask, advantages)
         live = [i for i in mb if dead is None or not dead[i]]
         # the dead rows' forwards come first: a forward without a backward leaves an FSDP2 root
         # module unsharded, and gradients accumulated before it would miss the sharded parameters
