@@ -8,6 +8,9 @@ after context ``c`` is ``(c[-1] + step) % vocab`` where ``step`` is 1 for the in
 the tensor ``step`` of the last weights directory loaded; the reported log-prob is
 ``-step / 10``. A token equal to a stop id ends the sample (kept in the output, as with
 ``no_stop_trim``). Each token takes ``delay_s``.
+
+Run as a script (``python sglang_standin.py PORT``) it serves on PORT until killed: a server process
+that weir can start, lose and restart.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from safetensors.torch import load_file
 
 
 class StandIn:
-    def __init__(self, vocab: int = 1000, delay_s: float = 0.0) -> None:
+    def __init__(self, vocab: int = 1000, delay_s: float = 0.0, port: int = 0) -> None:
         self.vocab, self.delay_s = vocab, delay_s
         self.step = 1
         self.requests: list[tuple[str, dict]] = []
@@ -74,7 +77,7 @@ class StandIn:
                     return self._json(200, {})
                 return self._json(404, {"error": "not found"})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -125,3 +128,9 @@ class StandIn:
         self.dead = True
         self.server.shutdown()
         self.server.server_close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    StandIn(port=int(sys.argv[1])).thread.join()

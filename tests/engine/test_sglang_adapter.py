@@ -5,8 +5,12 @@ reads the stream, versions across a weight update, pause / abort, sleep, routing
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +18,9 @@ from sglang_standin import StandIn
 
 from weir.config.schema import EngineConfig
 from weir.engine.base import SamplingParams
-from weir.engine.sglang_engine import start_sglang
+from weir.engine.server_engine import ServerEngine
+from weir.engine.servers import Replica, ServerProcess, free_port
+from weir.engine.sglang_engine import SglangBackend, start_sglang
 
 EOS = 999
 
@@ -168,3 +174,48 @@ def test_router_spreads_groups_and_retries_a_dead_replica(tmp_path):
     finally:
         engine.close()
         b.close()
+
+
+def test_an_owned_server_that_dies_between_requests_is_restarted_at_once_with_current_weights(
+    tmp_path,
+):
+    """The stand-in runs as a process weir owns. It is killed while no request is on it: the
+    engine's watcher must restart it and load the current weights before any request is sent."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    script = Path(__file__).with_name("sglang_standin.py")
+    proc = ServerProcess(
+        argv=[sys.executable, str(script), str(port)],
+        url=url,
+        log_path=tmp_path / "standin.log",
+        startup_timeout_s=60,
+    )
+    proc.start()
+    proc.wait_ready()
+    engine = ServerEngine(
+        SglangBackend(),
+        [Replica(url, proc)],
+        eos_token_ids=[EOS],
+        max_model_len=4096,
+        weights_dir=tmp_path / "weights",
+        watch_s=0.2,
+    )
+    try:
+        engine.update_weights_sync([("step", torch.tensor(3))], version=1)
+        [[c]] = engine.generate_many([[100]], SamplingParams(max_new_tokens=3))
+        assert c.token_ids == [103, 106, 109]
+        first_pid, requests = proc.pid, engine.stats()["requests"]
+        os.killpg(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while engine.restarts < 1:
+            assert time.monotonic() < deadline, "the dead server was not restarted"
+            time.sleep(0.05)
+        assert engine.stats()["requests"] == requests  # noticed without a request
+        assert engine.healthy == [True] and proc.alive() and proc.pid != first_pid
+        assert proc.starts == 2
+        [[c]] = engine.generate_many([[100]], SamplingParams(max_new_tokens=3))
+        assert c.token_ids == [103, 106, 109] and c.versions == [1, 1, 1]  # the weights of v1
+        assert engine.retries == 0  # no request met the dead server
+    finally:
+        engine.close()
+    assert not proc.alive()

@@ -14,7 +14,8 @@ with its log-prob and the weight version that was current when it arrived, so
 - ``abort`` ends every sample in flight with finish_reason "abort", its tokens so far kept;
 - a server that dies is restarted (when weir started it), given the current weights, and the
   samples it was serving continue there (or on another replica) from their last received token:
-  nothing is lost and no token is produced twice.
+  nothing is lost and no token is produced twice. A watcher polls the processes weir started, so a
+  server that dies between requests is restarted at once, not when the next request meets it.
 
 Backends (`ServerBackend`) say how to start a server, phrase a request, read a stream chunk, load
 weights from a safetensors directory, and sleep/wake. Everything here runs in one asyncio loop in a
@@ -116,6 +117,8 @@ class ServerEngine:
         request_timeout_s: a stream that sends nothing for this long counts as a dead server.
         restore_weights: the safetensors directory a restarted server loads before it rejoins
             (None until the first update: the server starts with the initial weights).
+        watch_s: how often the processes weir started are checked for having died (0: never; a
+            dead server is then noticed by the next request sent to it).
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class ServerEngine:
         version: int = 0,
         max_retries: int = 5,
         model_dir: str | Path | None = None,
+        watch_s: float = 2.0,
     ) -> None:
         import httpx
 
@@ -167,6 +171,9 @@ class ServerEngine:
         self._running = self._call(self._make_event())
         self._control = self._call(self._make_lock())
         self._closed = False
+        self._watcher: asyncio.Task | None = None
+        if restart and watch_s > 0 and any(r.owned for r in self.replicas):
+            self._watcher = self._call(self._start_watch(watch_s))
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -183,6 +190,9 @@ class ServerEngine:
 
     async def _make_lock(self) -> asyncio.Lock:
         return asyncio.Lock()
+
+    async def _start_watch(self, period_s: float) -> asyncio.Task:
+        return asyncio.create_task(self._watch(period_s))
 
     def _call(self, coro: Coroutine) -> Any:
         """Run `coro` in the engine's loop from another thread and wait for its result."""
@@ -287,6 +297,8 @@ class ServerEngine:
             return
         self._closed = True
         with contextlib.suppress(Exception):
+            if self._watcher is not None:
+                self._loop.call_soon_threadsafe(self._watcher.cancel)
             self._call(self._abort())
             self._call(self._stop_recovery())
             self._call(self._client.aclose())
@@ -540,6 +552,18 @@ class ServerEngine:
     def _alive(self, i: int) -> bool:
         proc = self.replicas[i].process
         return proc is None or proc.alive()
+
+    async def _watch(self, period_s: float) -> None:
+        """Every `period_s`, restart the servers weir started whose process has exited, so that a
+        server that dies while no request is on it is back before one needs it."""
+        while not self._closed:
+            await asyncio.sleep(period_s)
+            for i, replica in enumerate(self.replicas):
+                if self._closed:
+                    return
+                idle = self.healthy[i] and i not in self._recovering
+                if replica.owned and idle and not self._alive(i):
+                    await self._lost(i)
 
     async def _lost(self, i: int) -> None:
         """Mark replica `i` down and restart it in the background (once)."""
