@@ -219,12 +219,12 @@ def test_killed_server_restarts_with_current_weights_and_requests_continue(engin
     os.killpg(proc.pid, signal.SIGKILL)
     t.join(600)
     results = [out["r"]]
-    if engine.restarts == 0 and engine.retries == 0:
+    if engine.retries == 0:
         # under heavy CPU load the server can still write every token into the client's socket
-        # before the kill, which then interrupts nothing (seen in CI): the next request meets
-        # the dead server and must bring it back
+        # before the kill, which then interrupts nothing (seen in CI): the engine's watcher (or
+        # this request, if it gets there first) must bring the server back for the next request
         results.append(engine.generate_many(ps, params))
-    assert engine.restarts == 1 and engine.retries >= 1
+    assert engine.restarts == 1
     for res in results:
         # greedy under the restored weights: exactly the uninterrupted text, nothing lost or
         # repeated
