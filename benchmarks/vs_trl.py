@@ -71,7 +71,7 @@ N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
-TARGETS = {"sync": 2.0, "async": 3.0}
+TARGETS = {"sync": 2.0, "async": 3.0, "async-keep": 3.0}
 END_OF_TURN = "<|end|>"
 
 
@@ -202,7 +202,8 @@ def weir_worker(spec: dict) -> dict:
             "old_logprobs": "recompute",
         },
         "train": {"lr": LR, "grad_clip": 1.0, "mini_batches": 1, "epochs": 1},
-        "loop": {"mode": spec["mode"], "max_staleness": 1},
+        "loop": {"mode": spec["mode"].removesuffix("-keep"), "max_staleness": 1},
+        "engine": {"kv_on_update": "keep" if spec["mode"] == "async-keep" else "recompute"},
         "telemetry": {"console": False, "trace": False},
     }
     if w["tools"]:
@@ -224,7 +225,14 @@ def weir_worker(spec: dict) -> dict:
         "own_tool_calls": statistics.fmean(m.get("agent/tool_calls_mean", 0.0) for m in steps),
         "split": {
             k: statistics.median(m.get(k, 0.0) for m in timed[1:] or timed)
-            for k in ("time/generate", "time/train", "time/sync", "time/wait_for_batch")
+            for k in (
+                "time/generate",
+                "time/train",
+                "time/sync",
+                "time/wait_for_batch",
+                "mismatch/abs_logp_diff",
+                "engine/recomputed_tokens",
+            )
         },
     }
 
@@ -412,7 +420,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS), choices=sorted(WORKLOADS))
-    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["sync", "async"],
+        choices=["sync", "async", "async-keep"],
+        help="weir sides; async-keep: async with engine.kv_on_update=keep (no KV rebuild after a "
+        "weight update)",
+    )
     ap.add_argument(
         "--steps",
         type=int,
@@ -544,7 +559,7 @@ def report(results, args, sides, load0) -> None:
             gen = [r["episode"]["model_tokens"] * statistics.mean(r["samples"]) for r in runs]
             ep = {k: [r["episode"][k] for r in runs] for k in runs[0]["episode"]}
             upd = [r["optimizer_updates"] / max(1, len(r["reward"])) for r in runs]
-            target = TARGETS.get(side.split("-")[-1]) if side != "trl" else None
+            target = TARGETS.get(side.removeprefix("weir-")) if side != "trl" else None
             ratio_txt = span_of(ratios) if ratios else "-"
             tgt_txt = "-"
             if target is not None and ratios:
@@ -581,7 +596,10 @@ def report(results, args, sides, load0) -> None:
                     s = r["split"]
                     print(
                         f"  {wl} {side} split (median s): generate {s['time/generate']:.2f}, train "
-                        f"{s['time/train']:.2f}, sync {s['time/sync']:.2f}, wait {s['time/wait_for_batch']:.2f}"
+                        f"{s['time/train']:.2f}, sync {s['time/sync']:.2f}, wait "
+                        f"{s['time/wait_for_batch']:.2f}; median mismatch |logp diff| "
+                        f"{s.get('mismatch/abs_logp_diff', 0.0):.1e}, KV tokens recomputed a step "
+                        f"{s.get('engine/recomputed_tokens', 0.0):.0f}"
                     )
                     break
     print()

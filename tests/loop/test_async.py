@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 
 import weir
+from weir.config import load_config
 from weir.rollout.single_turn import rollout as default_rollout
 
 SMALL = {
@@ -97,6 +98,32 @@ def test_async_weight_update_policies_and_placement_run(tmp_path, loop):
         sum(v for k, v in h.items() if k.startswith("staleness/hist_")) == pytest.approx(1.0)
         for h in steps
     )
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_kv_on_update_rebuilds_or_keeps_the_kv_of_responses_in_flight(tmp_path, kv):
+    """Responses of 48 tokens from two batches in flight: every weight update meets some of them.
+    `recompute` prefills their context again under the new weights; `keep` does not."""
+    cfg = {
+        **SMALL,
+        "run": {**SMALL["run"], "steps": 4},
+        "rollout": {**SMALL["rollout"], "max_new_tokens": 48},
+        "loop": {"mode": "async", "max_staleness": 1},
+        "engine": {"kv_on_update": kv},
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"])
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 4
+    recomputed = sum(h["engine/recomputed_tokens"] for h in steps)
+    if kv == "recompute":
+        assert recomputed > 0
+    else:
+        assert recomputed == 0
+
+
+def test_kv_on_update_keep_is_refused_for_server_engines():
+    with pytest.raises(ValueError, match="engine.kv_on_update=recompute"):
+        load_config(None, ["engine.type=vllm", "engine.kv_on_update=keep"])
 
 
 def test_mask_stale_prefix_trains_only_the_newest_version():

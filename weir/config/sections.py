@@ -313,6 +313,14 @@ class EngineConfig(Section):
     OpenAI-server session) and reuse it for the next turn, which then prefills only the new tokens
     instead of the whole conversation. Entries count against the KV budget and are dropped on a
     weight update, a sleep or an idle release; see docs/engine-memory.md."""
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    """Built-in engine, responses in flight across a weight update (async): `recompute` their KV
+    cache under the new weights (one batched prefill of each row's context), so every later token
+    is sampled from the new policy on the whole context and its log-prob is exactly the new
+    policy's; or `keep` the KV the old weights computed (no prefill: later tokens attend to keys and
+    values of the old weights, so their log-probs are not exactly the new policy's; `mismatch/*`
+    shows by how much). vllm/sglang always recompute: a request resumes as a new one. See
+    docs/async.md."""
     sleep_while_training: bool = True
     """Sync loop, and async with loop.placement=colocated: the engine frees its KV cache while the
     trainer trains (requests in flight keep their tokens; their KV is rebuilt on wake)."""
@@ -326,6 +334,11 @@ class EngineConfig(Section):
         if self.kv_budget_gb is not None and self.kv_budget_fraction is not None:
             raise ValueError(
                 "set engine.kv_budget_gb or engine.kv_budget_fraction, not both (null the other)"
+            )
+        if self.kv_on_update == "keep" and self.type != "torch":
+            raise ValueError(
+                f"engine.kv_on_update=keep is for the built-in engine: a {self.type} server resumes "
+                "a request under new weights by prefilling it again; set engine.kv_on_update=recompute"
             )
         return self
 

@@ -152,6 +152,7 @@ class Admission:
         b.cache, b.geo = cache, cache.geo
         b.start.copy_(start)
         self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
+        self._stats["recomputed_tokens"] += sum(len(x) for x in seqs)
 
     def _prefill(
         self, reqs: list[Request], past: list[PrefixEntry] | None = None

@@ -253,6 +253,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
             "requests": 0,
             "generated_tokens": 0,
             "prefill_tokens": 0,
+            "recomputed_tokens": 0,
             "admitted": 0,
             "decode_steps": 0,
             "busy_s": 0.0,
@@ -415,7 +416,8 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
         self._set_version(state["version"])
 
     def stats(self) -> dict[str, float]:
-        """Counters since start: requests, generated/prefill tokens, decode steps, busy seconds;
+        """Counters since start: requests, generated/prefill tokens (``recomputed_tokens``: those
+        prefilled again to rebuild KV after a weight update), decode steps, busy seconds;
         ``decode_direct`` is 1 while decode steps run through `weir.engine.decode.DecodeForward`."""
         with self._mu:
             out = dict(self._stats)

@@ -137,14 +137,24 @@ def swap_weights(parts: Components, version: int, *, abort: bool) -> dict[str, f
 
 
 class EngineLoad:
-    """Fraction of wall time the engine was idle between two calls of `sample()`."""
+    """Between two calls of `sample()`: the fraction of wall time the engine was idle, and (built-in
+    engine) the tokens it prefilled again to rebuild the KV of responses in flight across a weight
+    update (`engine.kv_on_update=recompute`)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.t, self.busy = time.perf_counter(), engine.stats()["busy_s"]
+        stats = engine.stats()
+        self.t, self.busy = time.perf_counter(), stats["busy_s"]
+        self.recomputed = stats.get("recomputed_tokens")
 
     def sample(self) -> dict[str, float]:
-        now, busy = time.perf_counter(), self.engine.stats()["busy_s"]
+        stats = self.engine.stats()
+        now, busy = time.perf_counter(), stats["busy_s"]
         span, used = now - self.t, busy - self.busy
         self.t, self.busy = now, busy
-        return {"engine/idle_frac": max(0.0, 1.0 - used / span)} if span > 0 else {}
+        out = {"engine/idle_frac": max(0.0, 1.0 - used / span)} if span > 0 else {}
+        if self.recomputed is not None:
+            recomputed = stats["recomputed_tokens"]
+            out["engine/recomputed_tokens"] = max(0.0, float(recomputed - self.recomputed))
+            self.recomputed = recomputed
+        return out
