@@ -17,6 +17,7 @@ Workloads:
     python benchmarks/async_vs_sync.py --workload B --steps 6
     python benchmarks/async_vs_sync.py --workload calculator --model runs/calc_sft/model
     python benchmarks/async_vs_sync.py --splits 1:1 1:2 2:1 --reward-latency 0.02
+    python benchmarks/async_vs_sync.py --workload B --splits 1:1 --kv-on-update recompute keep
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ def main() -> None:
         default=["1:1", "1:2", "2:1"],
         help="async thread splits engine:trainer",
     )
+    ap.add_argument(
+        "--kv-on-update",
+        nargs="+",
+        default=["recompute"],
+        choices=["recompute", "keep"],
+        help="engine.kv_on_update of the async runs (each split runs once per value)",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument(
         "--model", help="warm-start model (default: SFT one now, if the workload has one)"
@@ -103,18 +111,20 @@ def main() -> None:
         ]
         for split in args.splits:
             e, t = split.split(":")
-            modes.append(
-                (
-                    f"async {e}+{t} thr",
-                    [
-                        "loop.mode=async",
-                        f"loop.max_staleness={args.eta}",
-                        f"loop.engine_threads={e}",
-                        f"loop.trainer_threads={t}",
-                        f"model.threads={t}",
-                    ],
+            for kv in args.kv_on_update:
+                modes.append(
+                    (
+                        f"async {e}+{t} thr" + (", keep KV" if kv == "keep" else ""),
+                        [
+                            "loop.mode=async",
+                            f"loop.max_staleness={args.eta}",
+                            f"loop.engine_threads={e}",
+                            f"loop.trainer_threads={t}",
+                            f"model.threads={t}",
+                            f"engine.kv_on_update={kv}",
+                        ],
+                    )
                 )
-            )
         reward = (
             functools.partial(slow_exact_match, latency=args.reward_latency)
             if args.reward_latency
@@ -139,14 +149,14 @@ def main() -> None:
         statistics.median(r[0] for r in results[name]) for name, _ in modes[:2]
     )  # the faster sync mode
     print(
-        f"{'mode':<18}{'samples/s':>10}{'range':>15}{'vs best sync':>14}{'reward':>8}{'train s':>9}"
+        f"{'mode':<26}{'samples/s':>10}{'range':>15}{'vs best sync':>14}{'reward':>8}{'train s':>9}"
     )
     for name, _ in modes:
         rs = results[name]
         sps = [r[0] for r in rs]
         med = statistics.median(sps)
         print(
-            f"{name:<18}{med:>10.2f}{f'{min(sps):.2f}-{max(sps):.2f}':>15}{med / base_sps:>14.2f}"
+            f"{name:<26}{med:>10.2f}{f'{min(sps):.2f}-{max(sps):.2f}':>15}{med / base_sps:>14.2f}"
             f"{statistics.median(r[1] for r in rs):>8.3f}{statistics.median(r[2] for r in rs):>9.2f}"
         )
 

@@ -16,12 +16,14 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from weir.config import build_config
 from weir.data.sample import Group, Sample
+from weir.train import packing
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.packing import (
     choose_layout,
     prefix_micro_batches,
     prefix_supported,
+    response_buckets,
     response_logprobs,
 )
 
@@ -88,17 +90,49 @@ def _run(layout: str, seqs, lens, temperature: float):
     st.sampled_from([1.0, 0.7]),
     st.randoms(use_true_random=False),
 )
-def test_prefix_layout_gives_the_padded_logprobs_entropy_and_gradients(shapes, temperature, rnd):
+@pytest.mark.parametrize("pass_tokens", [0, 10**9], ids=["a-pass-per-length", "one-pass"])
+def test_prefix_layout_gives_the_padded_logprobs_entropy_and_gradients(
+    pass_tokens, shapes, temperature, rnd
+):
     seqs, lens = _groups(rnd, shapes)
     rnd.shuffle(order := list(range(len(seqs))))  # group members need not be adjacent
     seqs, lens = [seqs[i] for i in order], [lens[i] for i in order]
-    prefix, g_prefix = _run("prefix", seqs, lens, temperature)
+    saved, packing.RESPONSE_PASS_TOKENS = packing.RESPONSE_PASS_TOKENS, pass_tokens
+    try:
+        prefix, g_prefix = _run("prefix", seqs, lens, temperature)
+    finally:
+        packing.RESPONSE_PASS_TOKENS = saved
     padded, g_padded = _run("padded", seqs, lens, temperature)
     assert torch.allclose(prefix.logprobs, padded.logprobs, atol=1e-5)
     assert torch.allclose(prefix.entropy, padded.entropy, atol=1e-5)
     assert torch.allclose(g_prefix, g_padded, atol=1e-5, rtol=1e-4)
     for i, n in enumerate(lens):  # positions past each response are exactly zero
         assert torch.all(prefix.logprobs[i, n:] == 0) and torch.all(prefix.entropy[i, n:] == 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=9), st.integers(0, 40))
+def test_response_buckets_are_the_cheapest_split_into_runs(lengths, pass_tokens):
+    lengths = sorted(lengths, reverse=True)
+    buckets = response_buckets(lengths, pass_tokens)
+    assert [lo for lo, _ in buckets] == [0] + [hi for _, hi in buckets[:-1]]
+    assert buckets[-1][1] == len(lengths)
+
+    def cost(parts):
+        return sum(
+            (hi - lo) * (lengths[lo] - 1) + pass_tokens if lengths[lo] > 1 else 0
+            for lo, hi in parts
+        )
+
+    # every split into runs, by brute force over the 2^(n-1) sets of cut points
+    n, cheapest = len(lengths), None
+    for mask in range(1 << (n - 1)):
+        cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        c = cost(list(zip(cuts, cuts[1:], strict=False)))
+        cheapest = c if cheapest is None else min(cheapest, c)
+    assert cost(buckets) == cheapest
+    if pass_tokens == 0:  # free passes: no row is padded at all
+        assert all(len(set(lengths[lo:hi])) == 1 or lengths[lo] == 1 for lo, hi in buckets)
 
 
 @settings(max_examples=60, deadline=None)

@@ -370,6 +370,42 @@ def padded_response_logprobs(
     return PackedOutput(left_align(logp), left_align(ent) if ent is not None else None)
 
 
+RESPONSE_PASS_TOKENS = 256
+"""What one more response pass costs beyond its tokens (its kernel launches, Python and the
+backward's per-op work), in tokens of a small model on a CPU; `response_buckets` splits a
+micro-batch's responses only where that saves more padding than this."""
+
+
+def response_buckets(lengths: list[int], pass_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Split responses sorted longest first into runs ``[lo, hi)`` that each get a pass padded to
+    their first (longest) length, minimising the tokens run plus `pass_tokens` per pass:
+
+        cost = sum over buckets of (hi - lo) * (lengths[lo] - 1) + pass_tokens
+
+    (a response of n tokens runs n - 1 of them; a bucket of one-token responses runs none and costs
+    nothing). Exact by dynamic programming over the cut points between different lengths.
+    """
+    per_pass = RESPONSE_PASS_TOKENS if pass_tokens is None else pass_tokens
+    n = len(lengths)
+    if n == 0:
+        return []
+    starts = [i for i in range(n) if i == 0 or lengths[i] != lengths[i - 1]] + [n]
+
+    def cost(lo: int, hi: int) -> int:
+        run = lengths[lo] - 1
+        return (hi - lo) * run + per_pass if run > 0 else 0
+
+    best = {0: (0, -1)}  # cut position -> (cost of the rows before it, previous cut)
+    for hi in starts[1:]:
+        best[hi] = min((best[lo][0] + cost(lo, hi), lo) for lo in starts if lo < hi)
+    cuts, at = [], n
+    while at > 0:
+        prev = best[at][1]
+        cuts.append((prev, at))
+        at = prev
+    return cuts[::-1]
+
+
 def prefix_response_logprobs(
     model: torch.nn.Module,
     sequences: list[list[int]],
@@ -431,29 +467,59 @@ def prefix_response_logprobs(
         for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
             ids[i, :n] = torch.tensor(seq[len(seq) - n :], dtype=torch.long)
         ids = ids.to(device)
-        col = torch.arange(r, device=device)
-        run_mask = (col[None] < (lengths - 1)[:, None]).long()
-        attn = torch.cat([p_mask.to(device).index_select(0, row_prompt), run_mask], dim=1)
-        prompt_len = p_mask.sum(1).to(device).index_select(0, row_prompt)
-        cache.batch_select_indices(row_prompt)
-        logits = model(
-            input_ids=ids[:, :r],
-            attention_mask=attn,
-            position_ids=prompt_len[:, None] + col[None],
-            past_key_values=cache,
-            use_cache=True,
-        ).logits  # (b, r, V): column j predicts response token j + 1
-        rest, rest_ent = _token_stats(
-            logits.reshape(b * r, -1),
-            ids[:, 1:].reshape(-1),
-            temperature=temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            chunk_size=chunk_size,
-        )
-        logp = torch.cat([logp, rest.view(b, r)], dim=1)
-        if ent is not None and rest_ent is not None:
-            ent = torch.cat([ent, rest_ent.view(b, r)], dim=1)
+        prompt_len = p_mask.sum(1).to(device)
+        # Rows longest first, in buckets of similar length: each bucket's pass is padded to its own
+        # longest response, not the micro-batch's.
+        order = sorted(range(b), key=lambda i: (-response_lengths[i], i))
+        pieces_logp, pieces_ent = [], []
+        for lo, hi in response_buckets([response_lengths[i] for i in order]):
+            rows = order[lo:hi]
+            width = response_lengths[rows[0]] - 1
+            if width == 0:  # one-token responses: their only log-prob came from the prompt pass
+                pieces_logp.append(logp0.new_zeros(len(rows), r))
+                if ent is not None:
+                    pieces_ent.append(logp0.new_zeros(len(rows), r))
+                continue
+            sel = torch.tensor(rows, device=device)
+            their_prompt = row_prompt.index_select(0, sel)
+            sub = DynamicCache(config=model.config)
+            for k, layer in enumerate(
+                cache.layers
+            ):  # each row's prompt KV (a differentiable gather)
+                sub.update(
+                    layer.keys.index_select(0, their_prompt),
+                    layer.values.index_select(0, their_prompt),
+                    k,
+                )
+            col = torch.arange(width, device=device)
+            run_mask = (col[None] < (lengths.index_select(0, sel) - 1)[:, None]).long()
+            attn = torch.cat([p_mask.to(device).index_select(0, their_prompt), run_mask], dim=1)
+            run = ids.index_select(0, sel)[:, : width + 1]
+            logits = model(
+                input_ids=run[:, :width],
+                attention_mask=attn,
+                position_ids=prompt_len.index_select(0, their_prompt)[:, None] + col[None],
+                past_key_values=sub,
+                use_cache=True,
+            ).logits  # (rows, width, V): column j predicts response token j + 1
+            rest, rest_ent = _token_stats(
+                logits.reshape(len(rows) * width, -1),
+                run[:, 1:].reshape(-1),
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                chunk_size=chunk_size,
+            )
+            pad = (0, r - width)
+            pieces_logp.append(torch.nn.functional.pad(rest.view(len(rows), width), pad))
+            if ent is not None and rest_ent is not None:
+                pieces_ent.append(torch.nn.functional.pad(rest_ent.view(len(rows), width), pad))
+        back = torch.empty(b, dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(b)  # bucket order -> the caller's row order
+        back = back.to(device)
+        logp = torch.cat([logp, torch.cat(pieces_logp).index_select(0, back)], dim=1)
+        if ent is not None:
+            ent = torch.cat([ent, torch.cat(pieces_ent).index_select(0, back)], dim=1)
     valid = torch.arange(logp.shape[1], device=device)[None] < lengths[:, None]
 
     def finish(x: torch.Tensor) -> torch.Tensor:
