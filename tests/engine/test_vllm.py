@@ -153,8 +153,8 @@ def test_weight_update_mid_generation_versions_and_logprobs(engine, base):
     assert engine.version == 1
 
 
-def test_pause_resume_and_abort_keep_tokens(engine):
-    ps = prompts(2, seed=4)
+def _pause_resume_abort(engine, seed: int) -> list:
+    ps = prompts(2, seed=seed)
     out: dict = {}
     # 16 samples: EOS (about 1 in 262 at T = 1 for this random model) cannot end them all first
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=400, seed=1)
@@ -174,12 +174,21 @@ def test_pause_resume_and_abort_keep_tokens(engine):
     t.join(60)
     comps = [c for g in out["r"] for c in g]
     assert len(comps) == 16
-    aborted = [c for c in comps if c.finish_reason == "abort"]
-    assert aborted and all(len(c.token_ids) < 400 for c in aborted)
     for c in comps:  # a sample aborted before its first token arrived has none
         assert len(c.token_ids) == len(c.logprobs) == len(c.versions)
         assert c.token_ids or c.finish_reason == "abort"
         assert c.finish_reason != "stop" or c.token_ids[-1] == EOS
+    return [c for c in comps if c.finish_reason == "abort"]
+
+
+def test_pause_resume_and_abort_keep_tokens(engine):
+    # Under CI load this thread can be descheduled long enough for the server to finish all 16
+    # samples before the abort reaches it; then nothing was left to abort, and it tries again.
+    for attempt in range(3):
+        aborted = _pause_resume_abort(engine, seed=4 + attempt)
+        if aborted:
+            break
+    assert aborted and all(len(c.token_ids) < 400 for c in aborted)
 
 
 def test_sleep_and_wake(engine, base):

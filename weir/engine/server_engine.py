@@ -587,6 +587,8 @@ class ServerEngine:
     async def _recover(self, i: int) -> None:
         replica = self.replicas[i]
         try:
+            if self._closed:  # the engine is shutting down: a restart would outlive it
+                return
             if replica.process is not None and self.restart:
                 log.warning("%s server %s died; restarting it", self.backend.name, replica.url)
                 await asyncio.to_thread(replica.process.restart, lambda: self._closed)

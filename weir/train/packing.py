@@ -371,9 +371,9 @@ def padded_response_logprobs(
 
 
 RESPONSE_PASS_TOKENS = 256
-"""What one more response pass costs beyond its tokens (its kernel launches, Python and the
-backward's per-op work), in tokens of a small model on a CPU; `response_buckets` splits a
-micro-batch's responses only where that saves more padding than this."""
+"""What one more response pass costs beyond its tokens (its Python and the per-op work of its
+forward and backward), in tokens of a small model on a CPU; `response_buckets` splits a
+micro-batch's responses only where that saves more padding than this (on a CPU only)."""
 
 
 def response_buckets(lengths: list[int], pass_tokens: int | None = None) -> list[tuple[int, int]]:
@@ -471,8 +471,15 @@ def prefix_response_logprobs(
         # Rows longest first, in buckets of similar length: each bucket's pass is padded to its own
         # longest response, not the micro-batch's.
         order = sorted(range(b), key=lambda i: (-response_lengths[i], i))
+        # On a GPU a pass costs thousands of kernel launches, worth far more than the padding it
+        # saves on any but extreme length spreads: one pass there (not measured: no GPU yet).
+        buckets = (
+            response_buckets([response_lengths[i] for i in order])
+            if device.type == "cpu"
+            else [(0, b)]
+        )
         pieces_logp, pieces_ent = [], []
-        for lo, hi in response_buckets([response_lengths[i] for i in order]):
+        for lo, hi in buckets:
             rows = order[lo:hi]
             width = response_lengths[rows[0]] - 1
             if width == 0:  # one-token responses: their only log-prob came from the prompt pass
