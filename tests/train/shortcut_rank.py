@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 import weir.train.actor as actor_module
 from weir.config import build_config
 from weir.data.sample import Group, Sample
-from weir.train.actor import ActorSettings
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.distributed import ShardedActor
 
@@ -86,6 +86,8 @@ class Spy:
 def run(way: str, model_dir: str, rank: int, out: Path) -> dict:
     torch.manual_seed(0)
     opts = OPTS + (["train.dead_rows=forward"] if way == "forward" else [])
+    if way == "prefix":
+        opts = [o for o in opts if not o.startswith("train.packing")] + ["train.packing=prefix"]
     actor = ShardedActor(
         AutoModelForCausalLM.from_pretrained(model_dir),
         ActorSettings.from_config(build_config({}, opts)),
@@ -115,10 +117,29 @@ def run(way: str, model_dir: str, rank: int, out: Path) -> dict:
         torch.save(full, out / f"{way}.pt")
     return {
         "stats": [{k: s[k] for k in KEYS} for s in stats],
+        "layout": actor.layout,
         "logprob_passes": spy.logprob_passes,
         "grad_forwards": spy.grad_forwards,
         "nograd_forwards": spy.nograd_forwards,
     }
+
+
+def one_process(model_dir: str, out: Path, packing: str) -> None:
+    """The steps of `packing` in this one process, unsharded: what the ranks must match."""
+    torch.manual_seed(0)
+    opts = [o for o in OPTS if not o.startswith("train.packing")] + [f"train.packing={packing}"]
+    actor = Actor(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        ActorSettings.from_config(build_config({}, opts)),
+    )
+    batch = make_batch(groups(), version=0)
+    for _ in range(2):
+        actor.train(batch)
+    actor.train(make_batch(groups(all_dead=True), version=0))
+    torch.save(
+        {k: v.detach().clone() for k, v in actor.model.state_dict().items()},
+        out / f"{packing}_one.pt",
+    )
 
 
 def main(rank: int, world: int, port: int, model_dir: str, out: Path) -> None:
@@ -127,8 +148,12 @@ def main(rank: int, world: int, port: int, model_dir: str, out: Path) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     seen = {
-        way: run(way, model_dir, rank, out) for way in ("full", "default", "forward", "injected")
+        way: run(way, model_dir, rank, out)
+        for way in ("full", "default", "forward", "injected", "prefix")
     }
+    if rank == 0:
+        one_process(model_dir, out, "prefix")
+        one_process(model_dir, out, "padded")
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 

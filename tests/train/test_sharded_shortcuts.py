@@ -65,6 +65,27 @@ def test_shortcut_update_equals_the_full_step(seen, tiny_model_dir):
         assert max((full[k] - got[k]).abs().max().item() for k in full) < 1e-5, way
 
 
+def test_the_prefix_layout_on_ranks_trains_what_one_process_trains(seen, tiny_model_dir):
+    """Whole prompt groups dealt to the ranks, each prompt run once: the same update as the
+    padded full step, and no collective out of step (the ranks would hang)."""
+    out, ranks = seen
+    assert all(r["prefix"]["layout"] == "prefix" for r in ranks)
+    for got, want in zip(ranks[0]["prefix"]["stats"], ranks[0]["full"]["stats"], strict=True):
+        for key in set(KEYS) - {"train/entropy"}:  # the default step's entropy: trained rows
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # the same layout in one process, unsharded: the same weights, every parameter moved (the
+    # norms and the tied embedding / LM head too: FSDP2 once left the root module's gradients
+    # behind when two root forwards shared a backward). AdamW's first steps move each weight by
+    # about lr * sign(g), so rounding-level gradient differences show amplified where a gradient
+    # is near zero: the padded layout's ranks against its one-process run differ by about 2e-5
+    # here, one-process prefix against padded by about 2e-4.
+    one, got = _weights(out, "prefix_one"), _weights(out, "prefix")
+    assert set(got) == set(one)
+    assert max((one[k] - got[k]).abs().max().item() for k in one) < 2e-4
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert min((got[k] - start[k]).abs().max().item() for k in got) > 1e-3
+
+
 def test_a_non_finite_log_prob_on_one_rank_restarts_the_step_on_both(seen):
     out, ranks = seen
     # both ranks fell back to the two-pass step once (step 1), then fused again (step 2)

@@ -38,6 +38,9 @@ class Actor:
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
     shares_prompts = True
     """`train.packing=auto` may pick the `prefix` layout (one forward per distinct prompt)."""
+    prefix_one_pass = False
+    """The `prefix` layout runs a micro-batch's responses in one pass (two model forwards in all)
+    instead of passes of similar length (FSDP ranks: every rank must run as many forwards)."""
     fuses_old_logprobs = True
     """A step of one update takes recomputed old log-probs from its own forward (`_fused_old`)."""
     skips_dead_backward = True
@@ -136,6 +139,7 @@ class Actor:
                 layout=self.layout,
                 temperature=self.temperature,
                 chunk_size=self.tcfg.logprob_chunk_tokens,
+                one_pass=self.prefix_one_pass,
                 **kwargs,
             )
 

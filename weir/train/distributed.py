@@ -51,7 +51,7 @@ from weir.config.sections import ClusterConfig, TrainConfig
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.memory import peak_rss_since, reset_peak_rss
-from weir.train.packing import micro_batches
+from weir.train.packing import micro_batches, prefix_response_logprobs
 from weir.train.precision import Precision, setup_device
 from weir.train.sharded_checkpoint import load_shards, save_shards
 
@@ -62,7 +62,11 @@ def shard_model(
     compute_dtype: torch.dtype | None = None,
     offload: bool = False,
 ) -> torch.nn.Module:
-    """Apply FSDP2 in place: one unit per decoder layer, the rest (embeddings, head) in the root.
+    """Apply FSDP2 in place: one unit per decoder layer, one for the embedding, final norm and LM
+    head together (a tied embedding is one parameter of both), and the root holding nothing else.
+
+    The root holds no parameters because the `prefix` layout runs the model twice before one
+    backward, and FSDP2 then left the root's own gradients on its unsharded parameters.
 
     The shards keep the parameters' dtype (float32 master weights); with `compute_dtype` (e.g.
     bfloat16) FSDP2's MixedPrecisionPolicy casts the gathered parameters to it for the forward and
@@ -77,9 +81,18 @@ def shard_model(
         )
     on_gpu = next(model.parameters()).is_cuda  # on the CPU the state is on the host already
     kwargs["offload_policy"] = CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
     for layer in layers or []:
         fully_shard(layer, **kwargs)
+    ends = [
+        m
+        for m in (getattr(base, "embed_tokens", None), getattr(base, "norm", None))
+        + (getattr(model, "lm_head", None),)
+        if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())
+    ]
+    if layers and ends:
+        fully_shard(ends, **kwargs)
     fully_shard(model, **kwargs)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
@@ -103,6 +116,21 @@ def balance(lengths: list[int], ranks: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def deal_groups(
+    indices: list[int], seqs: list[list[int]], lens: list[int], ranks: int
+) -> list[list[int]]:
+    """Rows `indices` dealt to `ranks` bins by prompt group (rows with the same prompt stay
+    together), the group of most tokens first into the bin with the fewest so far; each bin in
+    increasing row order. Deterministic, so every rank computes the same deal."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        groups.setdefault(tuple(seqs[i][: len(seqs[i]) - lens[i]]), []).append(i)
+    units = list(groups.values())
+    sizes = [len(seqs[u[0]]) - lens[u[0]] + sum(lens[i] for i in u) for u in units]
+    dealt = balance(sizes, ranks)
+    return [sorted(i for k in b for i in units[k]) for b in dealt]
+
+
 class ShardedActor(Actor):
     """`Actor` on an FSDP2-sharded model; every rank of the default process group runs one.
 
@@ -111,12 +139,16 @@ class ShardedActor(Actor):
     """
 
     offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
-    # the prefix layout needs a group's rows on one rank (balance splits them by tokens) and runs
-    # two forwards per micro-batch, untested under FSDP2. The fused old log-probs and the dead
-    # rows' no-backward forwards keep collectives in step: a fused step restarts on every rank
-    # or none (`_all_finite`), and every rank runs the same number of gradient micro-batches
-    # (padding ones backward, dead-row ones do not)
+    # Collectives stay in step: every rank runs the same number of micro-batches (`_micro_batches`
+    # pads with idle ones), each of the same number of model forwards (the prefix layout's two:
+    # prompts, then all responses in one pass; `_idle_pass` runs two as well). A fused step
+    # restarts on every rank or none (`_all_finite`). The prefix layout deals whole prompt groups
+    # to ranks (`deal_groups`), so that each prompt still runs once. `train.packing=auto` keeps
+    # `padded` here: its exactness probe would run the whole model on every rank at start-up
+    # (a meta-device start measured 274 MB peak on a rank for 80 MB of weights); `prefix` is
+    # taken when asked for (and refused up front where the probe finds it inexact).
     shares_prompts = False
+    prefix_one_pass = True
 
     def __init__(
         self,
@@ -159,11 +191,20 @@ class ShardedActor(Actor):
     def _micro_batches(
         self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
     ) -> list[list[int]]:
-        mine = [indices[p] for p in balance([len(seqs[i]) for i in indices], self.world)[self.rank]]
+        prefix = self.layout == "prefix" and lens is not None
+        if prefix:
+            mine = deal_groups(indices, seqs, lens, self.world)[self.rank]
+        else:
+            lengths = [len(seqs[i]) for i in indices]
+            mine = [indices[p] for p in balance(lengths, self.world)[self.rank]]
         local = [
             [mine[j] for j in mb]
             for mb in micro_batches(
-                [len(seqs[i]) for i in mine], self.tcfg.micro_batch_tokens, self.layout
+                [len(seqs[i]) for i in mine],
+                self.tcfg.micro_batch_tokens,
+                self.layout,
+                sequences=[seqs[i] for i in mine] if prefix else None,
+                response_lengths=[lens[i] for i in mine] if prefix else None,
             )
         ]
         count = torch.tensor([len(local)], device=self._comm)
@@ -171,11 +212,14 @@ class ShardedActor(Actor):
         return local + [[]] * (int(count.item()) - len(local))
 
     def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         with torch.set_grad_enabled(backward):
-            out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            if self.layout == "prefix":  # the same two forwards as a real prefix micro-batch
+                out = prefix_response_logprobs(model, [[0, 0]], [1], one_pass=True).logprobs
+            else:
+                ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+                out = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
         if backward:
-            (out.logits.float().sum() * 0.0).backward()
+            (out.float().sum() * 0.0).backward()
 
     def _settle(self) -> None:
         # FSDP2 keeps the root module unsharded after a forward (its backward would gather it

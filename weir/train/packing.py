@@ -185,8 +185,12 @@ def response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    one_pass: bool = False,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
+
+    `one_pass` (the `prefix` layout on FSDP ranks): exactly two root forwards per call, so that
+    every rank's collectives stay in step (see `prefix_response_logprobs`).
 
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
@@ -204,6 +208,7 @@ def response_logprobs(
                 entropy_grad=entropy_grad,
                 pad_to=pad_to,
                 chunk_size=chunk_size,
+                one_pass=one_pass,
             )
     fn = {"packed": packed_response_logprobs, "padded": padded_response_logprobs}[layout]
     return fn(
@@ -416,8 +421,13 @@ def prefix_response_logprobs(
     entropy_grad: bool = False,
     pad_to: int | None = None,
     chunk_size: int = 256,
+    one_pass: bool = False,
 ) -> PackedOutput:
     """The `prefix` layout: each distinct prompt runs once (see the module docstring).
+
+    With `one_pass` the responses run in one pass, run even when every response is one token
+    long: the model's forward runs exactly twice, as FSDP ranks need (each forward gathers every
+    unit's parameters, so every rank must run the same number).
 
     The prompt pass keeps the logits of each prompt's last position (they predict every response's
     first token); the response pass runs response tokens 0 ... n_i - 2 at positions
@@ -462,8 +472,9 @@ def prefix_response_logprobs(
     )
     logp, ent = logp0[:, None], None if ent0 is None else ent0[:, None]
     r = max(response_lengths) - 1  # response tokens that are run (all but each one's last)
-    if r > 0:
-        ids = torch.zeros(b, r + 1, dtype=torch.long)
+    run_width = max(r, 1) if one_pass else r
+    if run_width > 0:
+        ids = torch.zeros(b, run_width + 1, dtype=torch.long)
         for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
             ids[i, :n] = torch.tensor(seq[len(seq) - n :], dtype=torch.long)
         ids = ids.to(device)
@@ -475,13 +486,13 @@ def prefix_response_logprobs(
         # saves on any but extreme length spreads: one pass there (not measured: no GPU yet).
         buckets = (
             response_buckets([response_lengths[i] for i in order])
-            if device.type == "cpu"
+            if device.type == "cpu" and not one_pass
             else [(0, b)]
         )
         pieces_logp, pieces_ent = [], []
         for lo, hi in buckets:
             rows = order[lo:hi]
-            width = response_lengths[rows[0]] - 1
+            width = run_width if one_pass else response_lengths[rows[0]] - 1
             if width == 0:  # one-token responses: their only log-prob came from the prompt pass
                 pieces_logp.append(logp0.new_zeros(len(rows), r))
                 if ent is not None:
@@ -517,7 +528,7 @@ def prefix_response_logprobs(
                 entropy_grad=entropy_grad,
                 chunk_size=chunk_size,
             )
-            pad = (0, r - width)
+            pad = (0, r - width)  # negative (one_pass, one-token responses): the unused column
             pieces_logp.append(torch.nn.functional.pad(rest.view(len(rows), width), pad))
             if ent is not None and rest_ent is not None:
                 pieces_ent.append(torch.nn.functional.pad(rest_ent.view(len(rows), width), pad))
