@@ -12,7 +12,8 @@ from weir.config import build_config
 from weir.data.sample import Group, Sample
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
-from weir.train.distributed import RankSettings, TrainerGroup, balance
+from weir.train.deal import balance
+from weir.train.distributed import RankSettings, TrainerGroup
 
 OPTS = [
     "rollout.batch_prompts=2",

@@ -50,6 +50,7 @@ from weir.config import Config
 from weir.config.sections import ClusterConfig, TrainConfig
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
+from weir.train.deal import balance, deal_groups
 from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.packing import micro_batches, prefix_response_logprobs
 from weir.train.precision import Precision, setup_device
@@ -99,36 +100,6 @@ def shard_model(
             unit.set_gradient_divide_factor(1.0)  # sum the ranks' gradients (module docstring)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
-
-
-def balance(lengths: list[int], ranks: int) -> list[list[int]]:
-    """Deal positions to `ranks` bins, longest first into the bin with the fewest tokens so far.
-
-    Deterministic (ties go to the lower rank, equal lengths keep their order); each bin is
-    returned in increasing position order.
-    """
-    bins: list[list[int]] = [[] for _ in range(ranks)]
-    load = [0] * ranks
-    for pos in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(ranks), key=lambda k: (load[k], k))
-        bins[r].append(pos)
-        load[r] += lengths[pos]
-    return [sorted(b) for b in bins]
-
-
-def deal_groups(
-    indices: list[int], seqs: list[list[int]], lens: list[int], ranks: int
-) -> list[list[int]]:
-    """Rows `indices` dealt to `ranks` bins by prompt group (rows with the same prompt stay
-    together), the group of most tokens first into the bin with the fewest so far; each bin in
-    increasing row order. Deterministic, so every rank computes the same deal."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i in indices:
-        groups.setdefault(tuple(seqs[i][: len(seqs[i]) - lens[i]]), []).append(i)
-    units = list(groups.values())
-    sizes = [len(seqs[u[0]]) - lens[u[0]] + sum(lens[i] for i in u) for u in units]
-    dealt = balance(sizes, ranks)
-    return [sorted(i for k in b for i in units[k]) for b in dealt]
 
 
 class ShardedActor(Actor):
