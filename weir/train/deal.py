@@ -3,6 +3,8 @@ whole prompt groups (`deal_groups`, for the `prefix` layout, which runs each pro
 
 from __future__ import annotations
 
+from weir.train.packing import prompt_groups
+
 
 def balance(lengths: list[int], ranks: int) -> list[list[int]]:
     """Deal positions to `ranks` bins, longest first into the bin with the fewest tokens so far.
@@ -25,10 +27,7 @@ def deal_groups(
     """Rows `indices` dealt to `ranks` bins by prompt group (rows with the same prompt stay
     together), the group of most tokens first into the bin with the fewest so far; each bin in
     increasing row order. Deterministic, so every rank computes the same deal."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i in indices:
-        groups.setdefault(tuple(seqs[i][: len(seqs[i]) - lens[i]]), []).append(i)
-    units = list(groups.values())
+    units = list(prompt_groups(seqs, lens, indices).values())
     sizes = [len(seqs[u[0]]) - lens[u[0]] + sum(lens[i] for i in u) for u in units]
     dealt = balance(sizes, ranks)
     return [sorted(i for k in b for i in units[k]) for b in dealt]

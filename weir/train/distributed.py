@@ -90,7 +90,7 @@ def shard_model(
         m
         for m in (getattr(base, "embed_tokens", None), getattr(base, "norm", None))
         + (getattr(model, "lm_head", None),)
-        if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())
+        if isinstance(m, torch.nn.Module) and next(m.parameters(), None) is not None
     ]
     if layers and ends:
         fully_shard(ends, **kwargs)

@@ -83,6 +83,17 @@ def bucket_by_length(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def prompt_groups(
+    sequences: list[list[int]], response_lengths: list[int], rows: list[int] | None = None
+) -> dict[tuple[int, ...], list[int]]:
+    """Rows (`rows`, default all) by their prompt (each sequence less its response), in order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(len(sequences)) if rows is None else rows:
+        seq = sequences[i]
+        groups.setdefault(tuple(seq[: len(seq) - response_lengths[i]]), []).append(i)
+    return groups
+
+
 def prefix_micro_batches(
     sequences: list[list[int]], response_lengths: list[int], budget: int
 ) -> list[list[int]]:
@@ -93,9 +104,9 @@ def prefix_micro_batches(
     share a micro-batch; a group over the budget by itself is split into row chunks that each
     still share their prompt.
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
-        groups.setdefault(tuple(seq[: len(seq) - n]), []).append(i)
+    if len(sequences) != len(response_lengths):
+        raise ValueError("prefix_micro_batches: one response length per sequence")
+    groups = prompt_groups(sequences, response_lengths)
     units: list[tuple[int, list[int]]] = []
     for prompt, rows in groups.items():
         rows = sorted(rows, key=lambda i: (-response_lengths[i], i))
@@ -448,10 +459,11 @@ def prefix_response_logprobs(
         rows_prompt.append(prompt_of.setdefault(tuple(seq[: len(seq) - n]), len(prompt_of)))
     prompts = list(prompt_of)
     p_ids, p_mask, p_pos = left_pad([list(q) for q in prompts])
+    p_mask = p_mask.to(device)
     cache = DynamicCache(config=model.config)
     first = model(
         input_ids=p_ids.to(device),
-        attention_mask=p_mask.to(device),
+        attention_mask=p_mask,
         position_ids=p_pos.to(device),
         past_key_values=cache,
         use_cache=True,
@@ -478,7 +490,7 @@ def prefix_response_logprobs(
         for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
             ids[i, :n] = torch.tensor(seq[len(seq) - n :], dtype=torch.long)
         ids = ids.to(device)
-        prompt_len = p_mask.sum(1).to(device)
+        prompt_len = p_mask.sum(1)
         # Rows longest first, in buckets of similar length: each bucket's pass is padded to its own
         # longest response, not the micro-batch's.
         order = sorted(range(b), key=lambda i: (-response_lengths[i], i))
@@ -501,9 +513,8 @@ def prefix_response_logprobs(
             sel = torch.tensor(rows, device=device)
             their_prompt = row_prompt.index_select(0, sel)
             sub = DynamicCache(config=model.config)
-            for k, layer in enumerate(
-                cache.layers
-            ):  # each row's prompt KV (a differentiable gather)
+            # each row's prompt KV (a differentiable gather)
+            for k, layer in enumerate(cache.layers):
                 sub.update(
                     layer.keys.index_select(0, their_prompt),
                     layer.values.index_select(0, their_prompt),
@@ -511,7 +522,7 @@ def prefix_response_logprobs(
                 )
             col = torch.arange(width, device=device)
             run_mask = (col[None] < (lengths.index_select(0, sel) - 1)[:, None]).long()
-            attn = torch.cat([p_mask.to(device).index_select(0, their_prompt), run_mask], dim=1)
+            attn = torch.cat([p_mask.index_select(0, their_prompt), run_mask], dim=1)
             run = ids.index_select(0, sel)[:, : width + 1]
             logits = model(
                 input_ids=run[:, :width],
