@@ -236,3 +236,33 @@ def test_a_level_that_cannot_run_is_refused_with_the_fix():
                 Sandbox(tmp_dir=private).run("print(1)")
         finally:
             os.rmdir(private)
+
+
+def test_a_probe_that_exits_with_an_error_is_not_run_again_but_a_timeout_is(monkeypatch):
+    """A level whose trial run fails does not work here: one run decides. A trial that times out
+    may only be slow on a busy machine, so it gets a second, longer try."""
+    import subprocess
+
+    from weir.sandbox import isolation
+
+    calls: list[float] = []
+
+    def failing(cmd, *, timeout, **kwargs):
+        calls.append(timeout)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(isolation.subprocess, "run", failing)
+    assert isolation._probe(["x"], None) is False
+    assert calls == [20]
+
+    calls.clear()
+
+    def slow_then_ok(cmd, *, timeout, **kwargs):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(isolation.subprocess, "run", slow_then_ok)
+    assert isolation._probe(["x"], None) is True
+    assert calls == [20, 60]

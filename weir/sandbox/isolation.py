@@ -94,9 +94,10 @@ def _prefix(python: str) -> str:
 
 
 def _probe(cmd: list[str], uid: int | None) -> bool:
-    """Whether `cmd` (a level's wrapper around an empty Python run) succeeds. A second try, with
-    a longer timeout, follows a failure: on a machine busy with other jobs one run can time out,
-    and a level the user asked for must not be refused for that."""
+    """Whether `cmd` (a level's wrapper around an empty Python run) succeeds. A run that times out
+    is tried once more with a longer timeout (on a machine busy with other jobs one run can be
+    slow, and a level the user asked for must not be refused for that); a run that exits with an
+    error is not: the level does not work here, and trying again only doubles the wait."""
     kwargs = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     for timeout in (20, 60):
         try:
@@ -107,8 +108,7 @@ def _probe(cmd: list[str], uid: int | None) -> bool:
             continue
         except (OSError, subprocess.SubprocessError):
             return False
-        if r.returncode == 0:
-            return True
+        return r.returncode == 0
     return False
 
 
