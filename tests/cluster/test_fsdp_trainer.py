@@ -69,13 +69,14 @@ def test_balance_is_a_partition_within_one_row_of_even(lengths, ranks):
 def test_two_ranks_match_one_rank(ray_local, tiny_model_dir, tmp_path, kl):
     from weir.cluster import RayCluster
 
-    opts = [*OPTS, f"algo.kl.coef={kl}", "algo.old_logprobs=recompute"]
+    # both sides padded (the prefix layout on ranks: tests/train/test_sharded_shortcuts.py)
+    opts = [*OPTS, f"algo.kl.coef={kl}", "algo.old_logprobs=recompute", "train.packing=padded"]
     cfg = build_config({}, [*opts, "cluster.trainer.ranks=2"])
     one = Actor(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-        ActorSettings.from_config(build_config({}, [*opts, "train.packing=padded"])),
+        ActorSettings.from_config(build_config({}, opts)),
     )
-    # padded rows like the ranks', without the shortcuts (with 2 mini-batches and rewards spread in
+    # padded rows, without the shortcuts (with 2 mini-batches and rewards spread in
     # every group the ranks take none either): Adam turns rounding differences in near-zero
     # gradients into lr-sized weight differences
     one.fuses_old_logprobs = one.skips_dead_backward = False

@@ -85,6 +85,15 @@ def test_meta_start_reads_and_holds_one_shard(ranks, model_dir):
 
 
 @pytest.mark.slow
+def test_auto_takes_the_prefix_layout_on_ranks_deciding_at_the_first_step(ranks):
+    """`train.packing=auto` probes the sharded model when it first trains, not while it loads
+    (the probe's forwards gather shards as training does), and every rank takes `prefix`."""
+    _, reports = ranks
+    assert [r["layout_at_start"] for r in reports] == [None] * WORLD
+    assert [r["layout"] for r in reports] == ["prefix"] * WORLD
+
+
+@pytest.mark.slow
 def test_each_rank_writes_its_shard_and_rank0_holds_no_gathered_copy(ranks, model_dir):
     work, reports = ranks
     full = _model_mb(model_dir)
@@ -121,12 +130,12 @@ def test_two_ranks_shards_load_into_one_process(ranks, model_dir):
     """DCP reshards: the 2-rank checkpoint continues in one process (cluster.type=local) with the
     update the two ranks made from it."""
     work, reports = ranks
-    # the ranks' layout (one process would pick `prefix`, whose sums round differently, and
-    # Adam turns a rounding difference in a near-zero gradient into a visible weight difference)
+    # `auto` takes the ranks' layout, `prefix`, in one process too
     actor = Actor(
         AutoModelForCausalLM.from_pretrained(model_dir),
-        ActorSettings.from_config(build_config({}, [*OPTS, "train.packing=padded"])),
+        ActorSettings.from_config(build_config({}, OPTS)),
     )
+    assert actor.layout == "prefix"
     load_shards(actor, work / "ckpt" / TRAINER_DIR)
     assert actor.updates == 1
     stats = actor.train(make_batch(toy_groups(), version=0))

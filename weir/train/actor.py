@@ -23,7 +23,7 @@ from weir.train.actor_settings import ActorSettings  # noqa: F401  (re-exported)
 from weir.train.batch import TrainBatch
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import choose_layout, micro_batches, response_logprobs
+from weir.train.packing import Layout, choose_layout, micro_batches, response_logprobs
 from weir.train.precision import Precision
 from weir.train.step_checks import drop_nonfinite, finite_forward, mismatch, warn_over_max_len
 
@@ -38,6 +38,9 @@ class Actor:
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
     shares_prompts = True
     """`train.packing=auto` may pick the `prefix` layout (one forward per distinct prompt)."""
+    defers_layout = False
+    """`train.packing` is resolved at the first forward rather than at construction (FSDP ranks:
+    the exactness probe of `auto` runs forwards, which belong to training, not to loading)."""
     prefix_one_pass = False
     """The `prefix` layout runs a micro-batch's responses in one pass (two model forwards in all)
     instead of passes of similar length (FSDP ranks: every rank must run as many forwards)."""
@@ -56,7 +59,9 @@ class Actor:
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
-        self.layout = choose_layout(model, self.tcfg.packing, shared_prompts=self.shares_prompts)
+        self._layout: Layout | None = None
+        if not self.defers_layout:
+            self._layout = self._choose_layout()
         self.temperature = settings.temperature
         self.optimizer = make_optimizer(
             model.parameters(),
@@ -128,6 +133,22 @@ class Actor:
         if p.dtype == torch.bfloat16:
             compute = torch.bfloat16
         return Precision(p.device, p.dtype, compute)
+
+    @property
+    def layout(self) -> Layout:
+        """The micro-batch layout `train.packing` resolved to (`weir.train.packing.choose_layout`)."""
+        if self._layout is None:
+            self._layout = self._choose_layout()
+        return self._layout
+
+    def _choose_layout(self) -> Layout:
+        with self.precision.autocast():
+            return choose_layout(
+                self.model,
+                self.tcfg.packing,
+                shared_prompts=self.shares_prompts,
+                compute_dtype=self.precision.compute_dtype,
+            )
 
     def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
         """Response log-probs of one micro-batch in the configured layout and compute dtype."""

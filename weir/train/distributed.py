@@ -52,7 +52,7 @@ from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.deal import balance, deal_groups
 from weir.train.memory import peak_rss_since, reset_peak_rss
-from weir.train.packing import micro_batches, prefix_response_logprobs
+from weir.train.packing import Layout, choose_layout, micro_batches, prefix_response_logprobs
 from weir.train.precision import Precision, setup_device
 from weir.train.sharded_checkpoint import load_shards, save_shards
 
@@ -114,11 +114,12 @@ class ShardedActor(Actor):
     # pads with idle ones), each of the same number of model forwards (the prefix layout's two:
     # prompts, then all responses in one pass; `_idle_pass` runs two as well). A fused step
     # restarts on every rank or none (`_all_finite`). The prefix layout deals whole prompt groups
-    # to ranks (`deal_groups`), so that each prompt still runs once. `train.packing=auto` keeps
-    # `padded` here: its exactness probe would run the whole model on every rank at start-up
-    # (a meta-device start measured 274 MB peak on a rank for 80 MB of weights); `prefix` is
-    # taken when asked for (and refused up front where the probe finds it inexact).
-    shares_prompts = False
+    # to ranks (`deal_groups`), so that each prompt still runs once. `train.packing=auto` runs its
+    # exactness probe through the sharded model at the first forward (every rank together; a
+    # layer's shards are gathered one unit at a time, as in a training forward), not while the
+    # rank loads, and the ranks take `prefix` only if all of them found it exact.
+    shares_prompts = True
+    defers_layout = True
     prefix_one_pass = True
 
     def __init__(
@@ -158,6 +159,18 @@ class ShardedActor(Actor):
         p = next(model.parameters())
         device = self._comm if self._comm is not None else p.device
         return Precision(device, p.dtype, p.dtype)
+
+    def _choose_layout(self) -> Layout:
+        mine = choose_layout(
+            self.model,
+            self.tcfg.packing,
+            shared_prompts=self.shares_prompts,
+            compute_dtype=self._compute,  # FSDP2's MixedPrecisionPolicy casts the gathered shards
+        )
+        self._settle()
+        agreed = torch.tensor([1.0 if mine == "prefix" else 0.0], device=self._comm)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        return mine if mine != "prefix" or agreed.item() > 0 else "padded"
 
     def _micro_batches(
         self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None

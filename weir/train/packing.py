@@ -147,15 +147,22 @@ def micro_batches(
     return bucket_by_length(lengths, budget)
 
 
-def choose_layout(model: torch.nn.Module, packing: str, *, shared_prompts: bool = False) -> Layout:
+def choose_layout(
+    model: torch.nn.Module,
+    packing: str,
+    *,
+    shared_prompts: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> Layout:
     """Resolve `train.packing` for `model`.
 
     `auto`: `packed` with a variable-length attention kernel; else, for a caller whose sequences
     share prompts (`shared_prompts`: the RL actor), `prefix` when `prefix_supported` says the model
-    runs it exactly; else `padded`. The choice and its reason are logged.
+    runs it exactly (in `compute_dtype`, the dtype the forward computes in); else `padded`. The
+    choice and its reason are logged.
     """
     if packing == "prefix":  # asked for: refused up front where it would compute other numbers
-        ok, reason = prefix_supported(model)
+        ok, reason = prefix_supported(model, compute_dtype)
         if not ok:
             raise ValueError(f"train.packing=prefix: {reason}; set train.packing=auto or padded")
         return "prefix"
@@ -166,7 +173,7 @@ def choose_layout(model: torch.nn.Module, packing: str, *, shared_prompts: bool 
         layout: Layout = "packed"
         why = f"attention {attn} has a variable-length kernel"
     elif shared_prompts:
-        ok, reason = prefix_supported(model)
+        ok, reason = prefix_supported(model, compute_dtype)
         layout = "prefix" if ok else "padded"
         why = f"attention {attn} has no variable-length kernel; shared prompts: {reason}"
     else:
@@ -560,13 +567,17 @@ def prefix_response_logprobs(
     return PackedOutput(finish(logp), finish(ent) if ent is not None else None)
 
 
-def prefix_supported(model: torch.nn.Module) -> tuple[bool, str]:
+def prefix_supported(
+    model: torch.nn.Module, compute_dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
     """Whether the `prefix` layout computes on `model` what `padded` computes, and why (not).
 
     Refused without probing: gradient checkpointing (HF drops the cache in a checkpointed forward)
     and sliding-window attention (the cache would be windowed). Otherwise a probe of two prompts with
-    two responses each (one token, and several) is run both ways without gradients; the mean
-    log-prob difference must be within rounding (1e-4 nats in float32, 2e-2 in half precision).
+    two responses each (one token, and several) is run both ways without gradients, as the caller's
+    forward runs (under its autocast, or FSDP's gathered shards); the mean log-prob difference must
+    be within rounding of `compute_dtype` (default: the parameters' dtype): 1e-4 nats in float32,
+    2e-2 in half precision.
     """
     if vision_model(model) is not None:
         return False, "a vision-language model's prompts carry pixels (their KV is not shared)"
@@ -592,7 +603,7 @@ def prefix_supported(model: torch.nn.Module) -> tuple[bool, str]:
     a, b = tok(5), tok(3)
     seqs = [a + tok(4), b + tok(1), a + tok(1), b + tok(6)]
     lens = [4, 1, 1, 6]
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype or next(model.parameters()).dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     was_training = model.training
     model.eval()
