@@ -143,6 +143,43 @@ def test_schema_from_signature_and_docstring():
     assert "title" not in json.dumps(schema)
 
 
+def test_a_schema_is_built_once_per_function_and_each_caller_gets_its_own_copy(monkeypatch):
+    """A multi-turn rollout builds an environment and renders its tools for every episode: the
+    schema (and the argument validator) come from pydantic once per function, not per episode."""
+    import pydantic
+
+    from weir.rollout import tools
+
+    def lookup(key: str, n: int = 1) -> str:
+        """Look a key up."""
+        return key * n
+
+    built = {"schema": 0, "validator": 0}
+    adapter, validate = pydantic.TypeAdapter, pydantic.validate_call
+
+    def counting_adapter(*a, **k):
+        built["schema"] += 1
+        return adapter(*a, **k)
+
+    def counting_validate(*a, **k):
+        built["validator"] += 1
+        return validate(*a, **k)
+
+    monkeypatch.setattr(tools.pydantic, "TypeAdapter", counting_adapter)
+    monkeypatch.setattr(tools.pydantic, "validate_call", counting_validate)
+    first = tool_schema(lookup)
+    first["function"]["parameters"]["properties"]["key"]["type"] = "changed by a caller"
+    for _ in range(20):
+        registry = ToolRegistry([lookup])
+        assert registry.schemas()[0]["function"]["parameters"]["properties"]["key"] == {
+            "type": "string"
+        }
+        assert call_tool_sync(registry, ToolCall("lookup", {"key": "ab", "n": "2"})).content == (
+            "abab"
+        )
+    assert built == {"schema": 1, "validator": 1}
+
+
 def test_registry_resolves_dotted_paths_and_checks_names():
     reg = ToolRegistry(["weir.tasks.calculator:calc", search])
     assert reg.names == ["calc", "search"] and "calc" in reg and len(reg) == 2

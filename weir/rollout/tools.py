@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import functools
 import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -64,13 +66,41 @@ def tool_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, An
     ``{"type": "function", "function": {"name", "description", "parameters"}}``.
 
     Parameter types come from the type hints (pydantic's JSON schema; unannotated means any type),
-    descriptions from the docstring's summary and its ``Args:`` section.
+    descriptions from the docstring's summary and its ``Args:`` section. Built once per function
+    (about a millisecond of pydantic each time, and a multi-turn rollout builds an environment,
+    and renders its tools, for every episode); each call returns a fresh copy.
     """
+    name = name or _name(fn)
+    try:
+        return copy.deepcopy(_cached_schema(fn, name))
+    except TypeError:  # an unhashable callable
+        return _schema(fn, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:
+    return _schema(fn, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_validator(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return pydantic.validate_call(fn)
+
+
+def _validated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` behind pydantic's argument validation, built once per function."""
+    try:
+        return _cached_validator(fn)
+    except TypeError:  # an unhashable callable
+        return pydantic.validate_call(fn)
+
+
+def _schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:
     try:
         params = pydantic.TypeAdapter(fn).json_schema()
     except Exception as e:  # pydantic cannot express a hint: name the tool and the fix
         raise ValueError(
-            f"tool {name or _name(fn)!r}: cannot build a JSON schema from its signature "
+            f"tool {name!r}: cannot build a JSON schema from its signature "
             f"({type(e).__name__}: {e}); use JSON-compatible type hints (str, int, float, bool, "
             "list, dict, Literal, pydantic models)"
         ) from e
@@ -84,7 +114,7 @@ def tool_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, An
     return {
         "type": "function",
         "function": {
-            "name": name or _name(fn),
+            "name": name,
             "description": " ".join((summary or "").split()),
             "parameters": params,
         },
@@ -161,9 +191,9 @@ async def call_tool(
     fn, args = bound
     try:
         if inspect.iscoroutinefunction(fn):
-            coro = pydantic.validate_call(fn)(**args)
+            coro = _validated(fn)(**args)
         else:
-            coro = asyncio.to_thread(pydantic.validate_call(fn), **args)
+            coro = asyncio.to_thread(_validated(fn), **args)
         result = await (asyncio.wait_for(coro, timeout_s) if timeout_s is not None else coro)
         if inspect.isawaitable(result):
             result = await (
@@ -194,9 +224,9 @@ def call_tool_sync(
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
         if inspect.iscoroutinefunction(fn):
-            future = pool.submit(asyncio.run, pydantic.validate_call(fn)(**args))
+            future = pool.submit(asyncio.run, _validated(fn)(**args))
         else:
-            future = pool.submit(pydantic.validate_call(fn), **args)
+            future = pool.submit(_validated(fn), **args)
         result = future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         return _error(call, "timeout", f"tool {call.name!r} timed out after {timeout_s} s")
