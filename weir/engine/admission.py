@@ -2,7 +2,9 @@
 
 Part of `weir.engine.torch_engine.TorchEngine` (a mixin: the methods use the engine's state). New
 requests that continue a kept conversation (`weir.engine.prefix_cache`) are prefilled over what is
-new only; the others over their whole prompts, each prompt once for its n samples. The first token of
+new only; the others over their whole prompts, each prompt once for its n samples and a prefix the
+prompts admitted together share (a prompt's episodes, a system message) once (`_shared_past`,
+`weir.engine.shared_prefix`). The first token of
 every sample is drawn from the prompt's logits (`weir.engine.sampler`), and the rows join the running
 batch (`weir.engine.slabs`). After a weight update the running rows' KV is recomputed under the new
 weights (`_recompute_kv`). Finished rows resolve their requests' futures and may leave their KV for
@@ -18,6 +20,7 @@ from weir.engine.base import Completion
 from weir.engine.prefix_cache import PrefixEntry, fill_past
 from weir.engine.requests import Request, expand_versions, set_exception
 from weir.engine.sampler import sample
+from weir.engine.shared_prefix import plan as plan_shared
 from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, SlabCache
 from weir.engine.streams import sample_key
 
@@ -118,7 +121,10 @@ class Admission:
 
     def _recompute_kv(self) -> None:
         """Rebuild the running rows' KV cache under the current weights (after a weight update), so
-        that the tokens sampled from now on are exactly those of the new policy given the context."""
+        that the tokens sampled from now on are exactly those of the new policy given the context.
+
+        Prefixes the rows share (a prompt's n samples; a system message every prompt opens with)
+        are computed once when that saves enough (`_shared_past`)."""
         b = self._batch
         ngen = b.ngen.tolist()
         toks = b.out_tok_v.tolist()
@@ -127,16 +133,19 @@ class Admission:
         visions = [b.reqs[r].vision for r in range(b.n)]
         width = max(len(x) for x in seqs)
         cols = width + b.remaining() + 1
+        past, computed = self._shared_past(seqs, visions)
         chunk = max(1, self.max_prefill_tokens // width)
         if chunk >= b.n:
             cache = SlabCache(self._num_layers, Geometry(b.n), cols)
-            _, start, _ = self._prefill_forward(seqs, cache, visions=visions)
+            _, start, _ = self._prefill_forward(seqs, cache, visions=visions, past=past)
         else:  # several forwards, each padded to the common width, copied into one cache
             cache, starts = None, []
             for lo in range(0, b.n, chunk):
                 hi = min(lo + chunk, b.n)
                 part = SlabCache(self._num_layers, Geometry(hi - lo), width)
-                _, part_start, _ = self._prefill_forward(seqs[lo:hi], part, width, visions[lo:hi])
+                _, part_start, _ = self._prefill_forward(
+                    seqs[lo:hi], part, width, visions[lo:hi], None if past is None else past[lo:hi]
+                )
                 if cache is None:
                     cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
                     for layer, src in zip(cache.layers, part.layers, strict=True):
@@ -151,8 +160,42 @@ class Admission:
             start = torch.cat(starts)
         b.cache, b.geo = cache, cache.geo
         b.start.copy_(start)
-        self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
-        self._stats["recomputed_tokens"] += sum(len(x) for x in seqs)
+        self._stats["prefill_tokens"] += computed
+        self._stats["recomputed_tokens"] += computed
+
+    def _shared_past(
+        self, seqs: list[list[int]], visions: list[VisionInputs | None]
+    ) -> tuple[list[PrefixEntry] | None, int]:
+        """The KV of the prefixes `seqs` share (`weir.engine.shared_prefix.plan`), computed once
+        each, as one entry per sequence for `_prefill_forward` (an empty one where a sequence shares
+        nothing); None when sharing does not pay (or pixels are involved: their KV holds the image).
+        Also the number of tokens the prefill computes, each shared prefix counted once."""
+        total = sum(len(x) for x in seqs)
+        shared = None if any(v is not None for v in visions) else plan_shared(seqs)
+        if shared is None or len(shared.lengths) * max(shared.lengths) > self.max_prefill_tokens:
+            return None, total
+        prefixes = [seqs[i][:n] for i, n in zip(shared.first, shared.lengths, strict=True)]
+        wp = max(shared.lengths)
+        pcache = SlabCache(self._num_layers, Geometry(len(prefixes)), wp)
+        self._prefill_forward(prefixes, pcache)
+
+        def entry(g: int) -> PrefixEntry:
+            lo = wp - (len(prefixes[g]) if g >= 0 else 0)
+            row = max(g, 0)
+            return PrefixEntry(
+                tuple(prefixes[g]) if g >= 0 else (),
+                [layer.keys[row, :, lo:wp] for layer in pcache.layers],
+                [layer.values[row, :, lo:wp] for layer in pcache.layers],
+                self.version,
+                0,
+            )
+
+        entries = [entry(g) for g in range(len(prefixes))]
+        empty = entry(-1)
+        past = [entries[g] if g >= 0 else empty for g in shared.group]
+        computed = sum(shared.lengths) + _computed([len(x) for x in seqs], past)
+        self._stats["shared_prefix_tokens"] += total - computed
+        return past, computed
 
     def _prefill(
         self, reqs: list[Request], past: list[PrefixEntry] | None = None
@@ -164,15 +207,16 @@ class Admission:
         dev = self._device
         lens = [len(r.prompt) for r in reqs]
         width = max(lens)
+        prompts, visions = [r.prompt for r in reqs], [r.vision for r in reqs]
+        if past is None:  # prompts that open alike (a prompt's episodes; a system message)
+            shared, computed = self._shared_past(prompts, visions)
+        else:
+            shared, computed = None, _computed(lens, past)
+            self._prefix.stats["reused_tokens"] += sum(lens) - computed
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
         logits, _, deltas = self._prefill_forward(
-            [r.prompt for r in reqs], cache, visions=[r.vision for r in reqs], past=past
+            prompts, cache, visions=visions, past=past if shared is None else shared
         )
-        computed = sum(lens)
-        if past is not None:
-            q = max(n - e.length for n, e in zip(lens, past, strict=True))
-            computed = sum(min(n, q) for n in lens)
-            self._prefix.stats["reused_tokens"] += sum(lens) - computed
         self._stats["prefill_tokens"] += computed
 
         # One row per sample: a prompt's cache and logits are shared by its n samples.
@@ -329,3 +373,10 @@ class Admission:
                     lp - lz for lp, lz in zip(lps[j][:g], lzs[j][:g], strict=True)
                 ]
             b.reqs[r].finish_sample(b.sample_idx[r], comp)
+
+
+def _computed(lens: list[int], past: list[PrefixEntry]) -> int:
+    """Tokens a forward over sequences of `lens` computes after `past` (`_prefill_forward`: the
+    last ``q = max(len - prefix)`` columns of every row, its padding aside)."""
+    q = max(n - e.length for n, e in zip(lens, past, strict=True))
+    return sum(min(n, q) for n in lens)

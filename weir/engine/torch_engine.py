@@ -254,6 +254,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
             "generated_tokens": 0,
             "prefill_tokens": 0,
             "recomputed_tokens": 0,
+            "shared_prefix_tokens": 0,
             "admitted": 0,
             "decode_steps": 0,
             "busy_s": 0.0,
@@ -417,7 +418,9 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
 
     def stats(self) -> dict[str, float]:
         """Counters since start: requests, generated/prefill tokens (``recomputed_tokens``: those
-        prefilled again to rebuild KV after a weight update), decode steps, busy seconds;
+        prefilled again to rebuild KV after a weight update; ``shared_prefix_tokens``: those not
+        prefilled because a prefix shared by the sequences of one prefill was computed once),
+        decode steps, busy seconds;
         ``decode_direct`` is 1 while decode steps run through `weir.engine.decode.DecodeForward`."""
         with self._mu:
             out = dict(self._stats)

@@ -139,13 +139,16 @@ def swap_weights(parts: Components, version: int, *, abort: bool) -> dict[str, f
 class EngineLoad:
     """Between two calls of `sample()`: the fraction of wall time the engine was idle, and (built-in
     engine) the tokens it prefilled again to rebuild the KV of responses in flight across a weight
-    update (`engine.kv_on_update=recompute`)."""
+    update (`engine.kv_on_update=recompute`) and those it did not prefill because a prefix shared
+    by the sequences of one prefill was computed once."""
+
+    COUNTERS = ("recomputed_tokens", "shared_prefix_tokens")
 
     def __init__(self, engine) -> None:
         self.engine = engine
         stats = engine.stats()
         self.t, self.busy = time.perf_counter(), stats["busy_s"]
-        self.recomputed = stats.get("recomputed_tokens")
+        self.counts = {k: stats[k] for k in self.COUNTERS if k in stats}
 
     def sample(self) -> dict[str, float]:
         stats = self.engine.stats()
@@ -153,8 +156,7 @@ class EngineLoad:
         span, used = now - self.t, busy - self.busy
         self.t, self.busy = now, busy
         out = {"engine/idle_frac": max(0.0, 1.0 - used / span)} if span > 0 else {}
-        if self.recomputed is not None:
-            recomputed = stats["recomputed_tokens"]
-            out["engine/recomputed_tokens"] = max(0.0, float(recomputed - self.recomputed))
-            self.recomputed = recomputed
+        for key, last in self.counts.items():
+            out[f"engine/{key}"] = max(0.0, float(stats[key] - last))
+            self.counts[key] = stats[key]
         return out
