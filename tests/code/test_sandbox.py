@@ -239,8 +239,8 @@ def test_a_level_that_cannot_run_is_refused_with_the_fix():
 
 
 def test_a_probe_that_exits_with_an_error_is_not_run_again_but_a_timeout_is(monkeypatch):
-    """A level whose trial run fails does not work here: one run decides. A trial that times out
-    may only be slow on a busy machine, so it gets a second, longer try."""
+    """A level whose trial run fails does not work here: one run decides. A trial that times out or
+    is killed by a signal may only have met a busy machine, so it gets a second, longer try."""
     import subprocess
 
     from weir.sandbox import isolation
@@ -264,5 +264,15 @@ def test_a_probe_that_exits_with_an_error_is_not_run_again_but_a_timeout_is(monk
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(isolation.subprocess, "run", slow_then_ok)
+    assert isolation._probe(["x"], None) is True
+    assert calls == [20, 60]
+
+    calls.clear()
+
+    def killed_then_ok(cmd, *, timeout, **kwargs):
+        calls.append(timeout)
+        return subprocess.CompletedProcess(cmd, -9 if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(isolation.subprocess, "run", killed_then_ok)
     assert isolation._probe(["x"], None) is True
     assert calls == [20, 60]

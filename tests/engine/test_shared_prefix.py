@@ -4,6 +4,7 @@ weight update)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_helpers import assert_parity, make_prompts, wait_steps
 from hypothesis import given, settings
@@ -61,12 +62,15 @@ def test_sharing_that_saves_too_little_is_not_planned():
     assert plan([[1, 2, 3]]) is None
 
 
-def test_episodes_that_open_alike_are_prefilled_once_with_the_same_log_probs(make_engine, model):
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "share_prefixes=False"])
+def test_episodes_that_open_alike_are_prefilled_once_with_the_same_log_probs(
+    make_engine, model, share
+):
     """16 requests of one sample each (a multi-turn rollout's first turns: 4 prompts x 4 episodes)
-    whose prompts all open with the same 30-token system message: admitted together, the
-    engine computes the system message once and 5 tokens per prompt, and every sampled token's
-    log-prob is the model's own on the whole context."""
-    engine = make_engine()
+    whose prompts all open with the same 30-token system message: admitted together, the engine
+    computes the system message once and 5 tokens per prompt (with ``share_prefixes=False``, every
+    prompt whole), and every sampled token's log-prob is the model's own on the whole context."""
+    engine = make_engine(share_prefixes=share)
     system = make_prompts(1, 30, 30, seed=40)[0]
     questions = make_prompts(4, 5, 5, seed=41)
     prompts = [system + q for q in questions for _ in range(4)]
@@ -77,8 +81,9 @@ def test_episodes_that_open_alike_are_prefilled_once_with_the_same_log_probs(mak
     engine.resume_sync()
     results = [f.result(timeout=60) for f in futures]
     after = engine.stats()
-    assert after["prefill_tokens"] - before["prefill_tokens"] == 30 + 16 * 5
-    assert after["shared_prefix_tokens"] - before["shared_prefix_tokens"] == 16 * 35 - 110
+    prefilled = after["prefill_tokens"] - before["prefill_tokens"]
+    shared = after["shared_prefix_tokens"] - before["shared_prefix_tokens"]
+    assert (prefilled, shared) == ((30 + 16 * 5, 16 * 35 - 110) if share else (16 * 35, 0))
     for prompt, (completion,) in zip(prompts, results, strict=True):
         assert_parity(model, prompt, completion)
 

@@ -227,6 +227,40 @@ def test_weight_update_mid_generation_rebuilds_the_kv_with_the_pixels(vlm):
         assert (got[after] - ref_new[after]).abs().max() < TOL
 
 
+def test_text_only_prompts_that_open_alike_on_a_vision_language_model(vlm):
+    """A vision-language model computes its rotary positions over the whole prompt, so the engine
+    never splits a prefill of it into a shared prefix and the rest: episodes of one text-only
+    prompt, admitted together and rebuilt after an update, are prefilled whole and keep the model's
+    own log-probs."""
+    import copy
+    import time
+
+    model, processor = vlm
+    ids, vision = encode_vision_prompt(processor, _rows()[2])
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = TorchEngine(copy.deepcopy(model), eos_token_ids=[], pad_token_id=0, seed=0)
+    try:
+        engine.pause_sync()
+        futs = engine.submit_many([ids] * 4, SamplingParams(n=1, max_new_tokens=60, seed=7))
+        engine.resume_sync()
+        while engine.stats()["generated_tokens"] < 8:
+            time.sleep(0.001)
+        engine.update_weights_sync(list(new.named_parameters()), version=1)
+        results = [f.result(timeout=120) for f in futs]
+        assert engine.stats()["shared_prefix_tokens"] == 0
+    finally:
+        engine.close()
+    for (c,) in results:
+        versions = torch.tensor(c.versions)
+        got, after = torch.tensor(c.logprobs), versions == 1
+        assert bool(after.any())
+        ref_new = _hf_logprobs(new, ids, vision, c.token_ids)
+        assert (got[after] - ref_new[after]).abs().max() < TOL
+
+
 def test_other_vision_language_architectures_are_refused():
     """Qwen2-VL and SmolVLM take images too, but weir has not checked their positions and pixels:
     they are refused by name instead of being run with wrong numbers."""

@@ -180,6 +180,27 @@ def test_a_schema_is_built_once_per_function_and_each_caller_gets_its_own_copy(m
     assert built == {"schema": 1, "validator": 1}
 
 
+def test_tools_bound_to_an_episodes_objects_are_not_kept_alive():
+    """A tool that is a method of an episode's object (or a closure over one) may hold a sandbox or a
+    connection: nothing built from it outlives the episode."""
+    import gc
+    import weakref
+
+    class Session:
+        def lookup(self, key: str) -> str:
+            """Look a key up."""
+            return key
+
+    session = Session()
+    registry = ToolRegistry({"lookup": session.lookup})
+    assert registry.schemas()[0]["function"]["name"] == "lookup"
+    assert call_tool_sync(registry, ToolCall("lookup", {"key": "a"})).content == "a"
+    alive = weakref.ref(session)
+    del session, registry
+    gc.collect()
+    assert alive() is None
+
+
 def test_registry_resolves_dotted_paths_and_checks_names():
     reg = ToolRegistry(["weir.tasks.calculator:calc", search])
     assert reg.names == ["calc", "search"] and "calc" in reg and len(reg) == 2

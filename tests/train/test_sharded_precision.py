@@ -52,3 +52,28 @@ def test_fsdp2_computes_in_bfloat16_on_float32_shards(tiny_model_dir, one_rank_g
     assert moved / total > 0.95  # lr 1e-6 updates land on the float32 shards
     state = next(iter(actor.optimizer.state.values()))
     assert state["exp_avg"].to_local().dtype == torch.float32
+
+
+def test_an_asked_for_prefix_layout_is_refused_when_the_rank_starts(tiny_model_dir, one_rank_group):
+    """What can be refused without running the model is refused up front, not at the first step
+    (the probe itself runs at the first forward, with every rank)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = build_config(
+        {},
+        ["rollout.batch_prompts=2", "train.packing=prefix", "train.gradient_checkpointing=true"],
+    )
+    with pytest.raises(ValueError, match="train.packing=prefix: .*gradient checkpointing"):
+        ShardedActor(model, ActorSettings.from_config(cfg))
+
+
+def test_auto_resolves_to_prefix_at_the_first_step_in_the_compute_dtype(
+    tiny_model_dir, one_rank_group
+):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = build_config(
+        {}, ["rollout.batch_prompts=2", "rollout.n=4", "train.compute_dtype=bfloat16"]
+    )
+    actor = ShardedActor(model, ActorSettings.from_config(cfg))
+    assert actor._layout is None
+    actor.train(make_batch(toy_groups(), version=0))
+    assert actor.layout == "prefix"

@@ -313,6 +313,11 @@ class EngineConfig(Section):
     OpenAI-server session) and reuse it for the next turn, which then prefills only the new tokens
     instead of the whole conversation. Entries count against the KV budget and are dropped on a
     weight update, a sleep or an idle release; see docs/engine-memory.md."""
+    share_prefixes: bool = True
+    """Built-in engine: compute once a prefix that the prompts prefilled together share (the
+    episodes of one prompt, a system message every prompt opens with; and the rows whose KV is
+    rebuilt after a weight update), when that saves at least 15% of the prefill's tokens. Off:
+    every sequence is prefilled whole (its numbers then differ only by rounding)."""
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     """Built-in engine, responses in flight across a weight update (async): `recompute` their KV
     cache under the new weights (one batched prefill of each row's context), so every later token

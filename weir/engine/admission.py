@@ -32,7 +32,8 @@ class Admission:
 
     def _admit(self, reqs: list[Request]) -> None:
         """Prefill and join `reqs`: those that continue a cached conversation (`_take_prefixes`) in
-        one forward over what is new, the others in one forward over their whole prompts."""
+        one forward over what is new, the others over their whole prompts (in two forwards when
+        they share a prefix worth computing once, `_shared_past`)."""
         self._stats["admitted"] += len(reqs)
         past = self._take_prefixes(reqs)
         if not past:
@@ -90,7 +91,8 @@ class Admission:
         With `past` (one cached prefix per sequence) only the last ``q = max(len(seq) - len(prefix))``
         columns are computed: the columns before them are copied from the prefixes, which cover them
         since every prefix is at least ``len(seq) - q`` long (`fill_past`). Without, ``q = width``.
-        A vision-language model never has `past` (its prompts' KV holds the image)."""
+        A vision-language model never has `past` (its prompts' KV holds the image, and its rope
+        positions are computed over the whole prompt)."""
         dev = self._device
         lens = [len(x) for x in seqs]
         width = width or max(lens)
@@ -133,19 +135,22 @@ class Admission:
         visions = [b.reqs[r].vision for r in range(b.n)]
         width = max(len(x) for x in seqs)
         cols = width + b.remaining() + 1
-        past, computed = self._shared_past(seqs, visions)
+        past, computed = self._shared_past(seqs, cols)
         chunk = max(1, self.max_prefill_tokens // width)
         if chunk >= b.n:
             cache = SlabCache(self._num_layers, Geometry(b.n), cols)
             _, start, _ = self._prefill_forward(seqs, cache, visions=visions, past=past)
+            computed += _computed(seqs, past)
         else:  # several forwards, each padded to the common width, copied into one cache
             cache, starts = None, []
             for lo in range(0, b.n, chunk):
                 hi = min(lo + chunk, b.n)
                 part = SlabCache(self._num_layers, Geometry(hi - lo), width)
+                part_past = None if past is None else past[lo:hi]
                 _, part_start, _ = self._prefill_forward(
-                    seqs[lo:hi], part, width, visions[lo:hi], None if past is None else past[lo:hi]
+                    seqs[lo:hi], part, width, visions[lo:hi], part_past
                 )
+                computed += _computed(seqs[lo:hi], part_past)
                 if cache is None:
                     cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
                     for layer, src in zip(cache.layers, part.layers, strict=True):
@@ -162,40 +167,51 @@ class Admission:
         b.start.copy_(start)
         self._stats["prefill_tokens"] += computed
         self._stats["recomputed_tokens"] += computed
+        self._stats["shared_prefix_tokens"] += max(0, sum(len(x) for x in seqs) - computed)
 
     def _shared_past(
-        self, seqs: list[list[int]], visions: list[VisionInputs | None]
+        self, seqs: list[list[int]], cols: int
     ) -> tuple[list[PrefixEntry] | None, int]:
         """The KV of the prefixes `seqs` share (`weir.engine.shared_prefix.plan`), computed once
         each, as one entry per sequence for `_prefill_forward` (an empty one where a sequence shares
-        nothing); None when sharing does not pay (or pixels are involved: their KV holds the image).
-        Also the number of tokens the prefill computes, each shared prefix counted once."""
-        total = sum(len(x) for x in seqs)
-        shared = None if any(v is not None for v in visions) else plan_shared(seqs)
-        if shared is None or len(shared.lengths) * max(shared.lengths) > self.max_prefill_tokens:
-            return None, total
-        prefixes = [seqs[i][:n] for i, n in zip(shared.first, shared.lengths, strict=True)]
+        nothing), and the tokens that took. None (and 0) when sharing does not pay, is off
+        (``share_prefixes=False``), the model is a vision-language one (a prompt's KV holds its
+        image), or the prefixes' cache would not fit the KV budget beside the `cols`-wide cache
+        the caller is about to fill."""
+        if not self._share_prefixes or self._vision is not None:
+            return None, 0
+        shared = plan_shared(seqs)
+        if shared is None:
+            return None, 0
         wp = max(shared.lengths)
-        pcache = SlabCache(self._num_layers, Geometry(len(prefixes)), wp)
+        groups = len(shared.lengths)
+        kv = self._kv
+        need = (groups * wp + len(seqs) * cols) * kv.cell
+        if groups * wp > self.max_prefill_tokens or (
+            kv.budget is not None and kv.meter.live + need > kv.budget
+        ):
+            return None, 0
+        prefixes = [seqs[i][:n] for i, n in zip(shared.first, shared.lengths, strict=True)]
+        pcache = SlabCache(self._num_layers, Geometry(groups), wp)
         self._prefill_forward(prefixes, pcache)
-
-        def entry(g: int) -> PrefixEntry:
-            lo = wp - (len(prefixes[g]) if g >= 0 else 0)
-            row = max(g, 0)
-            return PrefixEntry(
-                tuple(prefixes[g]) if g >= 0 else (),
-                [layer.keys[row, :, lo:wp] for layer in pcache.layers],
-                [layer.values[row, :, lo:wp] for layer in pcache.layers],
+        entries = [
+            PrefixEntry(
+                tuple(p),
+                [layer.keys[g, :, wp - len(p) :] for layer in pcache.layers],
+                [layer.values[g, :, wp - len(p) :] for layer in pcache.layers],
                 self.version,
                 0,
             )
-
-        entries = [entry(g) for g in range(len(prefixes))]
-        empty = entry(-1)
-        past = [entries[g] if g >= 0 else empty for g in shared.group]
-        computed = sum(shared.lengths) + _computed([len(x) for x in seqs], past)
-        self._stats["shared_prefix_tokens"] += total - computed
-        return past, computed
+            for g, p in enumerate(prefixes)
+        ]
+        none = PrefixEntry(
+            (),
+            [layer.keys[0, :, :0] for layer in pcache.layers],
+            [layer.values[0, :, :0] for layer in pcache.layers],
+            self.version,
+            0,
+        )
+        return [entries[g] if g >= 0 else none for g in shared.group], sum(shared.lengths)
 
     def _prefill(
         self, reqs: list[Request], past: list[PrefixEntry] | None = None
@@ -208,15 +224,18 @@ class Admission:
         lens = [len(r.prompt) for r in reqs]
         width = max(lens)
         prompts, visions = [r.prompt for r in reqs], [r.vision for r in reqs]
+        shared, computed = None, 0
         if past is None:  # prompts that open alike (a prompt's episodes; a system message)
-            shared, computed = self._shared_past(prompts, visions)
-        else:
-            shared, computed = None, _computed(lens, past)
-            self._prefix.stats["reused_tokens"] += sum(lens) - computed
+            shared, computed = self._shared_past(prompts, width)
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
         logits, _, deltas = self._prefill_forward(
             prompts, cache, visions=visions, past=past if shared is None else shared
         )
+        computed += _computed(prompts, past if shared is None else shared)
+        if past is not None:
+            self._prefix.stats["reused_tokens"] += sum(lens) - computed
+        elif shared is not None:
+            self._stats["shared_prefix_tokens"] += max(0, sum(lens) - computed)
         self._stats["prefill_tokens"] += computed
 
         # One row per sample: a prompt's cache and logits are shared by its n samples.
@@ -375,8 +394,11 @@ class Admission:
             b.reqs[r].finish_sample(b.sample_idx[r], comp)
 
 
-def _computed(lens: list[int], past: list[PrefixEntry]) -> int:
-    """Tokens a forward over sequences of `lens` computes after `past` (`_prefill_forward`: the
-    last ``q = max(len - prefix)`` columns of every row, its padding aside)."""
+def _computed(seqs: list[list[int]], past: list[PrefixEntry] | None) -> int:
+    """Tokens a forward over `seqs` computes after `past` (`_prefill_forward`: the last
+    ``q = max(len - prefix)`` columns of every row, its padding aside; all of them without)."""
+    lens = [len(x) for x in seqs]
+    if past is None:
+        return sum(lens)
     q = max(n - e.length for n, e in zip(lens, past, strict=True))
     return sum(min(n, q) for n in lens)

@@ -264,5 +264,6 @@ def kv_options(engine_cfg) -> dict:
         "kv_budget_fraction": engine_cfg.kv_budget_fraction,
         "kv_idle_release_s": engine_cfg.kv_idle_release_s,
         "prefix_cache": engine_cfg.prefix_cache,
+        "share_prefixes": engine_cfg.share_prefixes,
         "recompute_kv_on_update": engine_cfg.kv_on_update == "recompute",
     }

@@ -158,6 +158,10 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
         prefix_cache: keep the KV of finished ``keep_kv`` requests (multi-turn episodes) and reuse
             it for the request that continues the conversation (`weir.engine.prefix_cache`).
         prefix_cache_entries: most entries kept (default: ``max_batch_size``).
+        share_prefixes: compute once a prefix that the prompts admitted together, or the rows of a
+            KV rebuild, share (a prompt's episodes, a system message), when that saves enough
+            (`weir.engine.shared_prefix`). False: every sequence is prefilled whole (the numbers
+            then differ only by rounding).
         direct_decode: run decode steps through `weir.engine.decode.DecodeForward` (the same
             operations as the HF forward without its module machinery; Llama-family models only,
             checked bit for bit against the HF forward on the first decode step). False: always
@@ -182,6 +186,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
         kv_idle_release_s: float | None = None,
         prefix_cache: bool = True,
         prefix_cache_entries: int | None = None,
+        share_prefixes: bool = True,
         direct_decode: bool = True,
     ):
         config = model.config
@@ -204,6 +209,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
         self.max_seq_len = int(max_seq_len or getattr(config, "max_position_embeddings", 2048))
         self.max_prefill_tokens = max_prefill_tokens
         self._recompute_kv_on_update = recompute_kv_on_update
+        self._share_prefixes = share_prefixes
         self._num_threads = num_threads
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._num_layers = int(config.num_hidden_layers)

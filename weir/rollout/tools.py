@@ -66,15 +66,21 @@ def tool_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, An
     ``{"type": "function", "function": {"name", "description", "parameters"}}``.
 
     Parameter types come from the type hints (pydantic's JSON schema; unannotated means any type),
-    descriptions from the docstring's summary and its ``Args:`` section. Built once per function
-    (about a millisecond of pydantic each time, and a multi-turn rollout builds an environment,
-    and renders its tools, for every episode); each call returns a fresh copy.
+    descriptions from the docstring's summary and its ``Args:`` section. Built once per plain
+    function (about a millisecond of pydantic each time, and a multi-turn rollout builds an
+    environment, and renders its tools, for every episode); each call returns a fresh copy.
     """
     name = name or _name(fn)
-    try:
-        return copy.deepcopy(_cached_schema(fn, name))
-    except TypeError:  # an unhashable callable
+    if not _static(fn):
         return _schema(fn, name)
+    return copy.deepcopy(_cached_schema(fn, name))
+
+
+def _static(fn: Callable[..., Any]) -> bool:
+    """A plain function that closes over nothing (a module's tool): what is built from it may be
+    kept for the process. Bound methods, closures, partials and callable objects may hold an
+    episode's resources (a sandbox, a connection), so nothing built from them is kept."""
+    return inspect.isfunction(fn) and not fn.__closure__
 
 
 @functools.lru_cache(maxsize=1024)
@@ -88,11 +94,8 @@ def _cached_validator(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _validated(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` behind pydantic's argument validation, built once per function."""
-    try:
-        return _cached_validator(fn)
-    except TypeError:  # an unhashable callable
-        return pydantic.validate_call(fn)
+    """`fn` behind pydantic's argument validation, built once per plain function (`_static`)."""
+    return _cached_validator(fn) if _static(fn) else pydantic.validate_call(fn)
 
 
 def _schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:

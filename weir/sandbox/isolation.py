@@ -95,9 +95,10 @@ def _prefix(python: str) -> str:
 
 def _probe(cmd: list[str], uid: int | None) -> bool:
     """Whether `cmd` (a level's wrapper around an empty Python run) succeeds. A run that times out
-    is tried once more with a longer timeout (on a machine busy with other jobs one run can be
-    slow, and a level the user asked for must not be refused for that); a run that exits with an
-    error is not: the level does not work here, and trying again only doubles the wait."""
+    or is killed by a signal (the OOM killer on a busy machine) is tried once more, with a longer
+    timeout: a level the user asked for must not be refused for another job's load. A run that
+    exits with an error is not: the level does not work here, and trying again only doubles the
+    wait."""
     kwargs = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     for timeout in (20, 60):
         try:
@@ -108,7 +109,8 @@ def _probe(cmd: list[str], uid: int | None) -> bool:
             continue
         except (OSError, subprocess.SubprocessError):
             return False
-        return r.returncode == 0
+        if r.returncode >= 0:
+            return r.returncode == 0
     return False
 
 

@@ -23,7 +23,13 @@ from weir.train.actor_settings import ActorSettings  # noqa: F401  (re-exported)
 from weir.train.batch import TrainBatch
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
-from weir.train.packing import Layout, choose_layout, micro_batches, response_logprobs
+from weir.train.packing import (
+    Layout,
+    choose_layout,
+    micro_batches,
+    prefix_refused_unprobed,
+    response_logprobs,
+)
 from weir.train.precision import Precision
 from weir.train.step_checks import drop_nonfinite, finite_forward, mismatch, warn_over_max_len
 
@@ -62,6 +68,12 @@ class Actor:
         self._layout: Layout | None = None
         if not self.defers_layout:
             self._layout = self._choose_layout()
+        elif self.tcfg.packing == "prefix":  # asked for: what can be refused without a probe is
+            refused = prefix_refused_unprobed(self.model)
+            if refused is not None:
+                raise ValueError(
+                    f"train.packing=prefix: {refused}; set train.packing=auto or padded"
+                )
         self.temperature = settings.temperature
         self.optimizer = make_optimizer(
             model.parameters(),

@@ -21,6 +21,7 @@ sharded checkpoints with torch.distributed.checkpoint (weir.train.sharded_checkp
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import socket
 import sys
@@ -55,6 +56,8 @@ from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.packing import Layout, choose_layout, micro_batches, prefix_response_logprobs
 from weir.train.precision import Precision, setup_device
 from weir.train.sharded_checkpoint import load_shards, save_shards
+
+log = logging.getLogger(__name__)
 
 
 def shard_model(
@@ -161,16 +164,34 @@ class ShardedActor(Actor):
         return Precision(device, p.dtype, p.dtype)
 
     def _choose_layout(self) -> Layout:
-        mine = choose_layout(
-            self.model,
-            self.tcfg.packing,
-            shared_prompts=self.shares_prompts,
-            compute_dtype=self._compute,  # FSDP2's MixedPrecisionPolicy casts the gathered shards
-        )
+        """`train.packing` resolved on every rank at once: `prefix` only where every rank's probe
+        found it exact; a refusal of an asked-for `prefix` is raised on every rank, after the
+        ranks agreed, so that none is left waiting in a collective."""
+        refusal: ValueError | None = None
+        try:
+            mine = choose_layout(
+                self.model,
+                self.tcfg.packing,
+                shared_prompts=self.shares_prompts,
+                compute_dtype=self._compute,  # FSDP2's MixedPrecisionPolicy casts the shards
+            )
+        except ValueError as err:  # train.packing=prefix, and this rank's probe refused it
+            mine, refusal = "padded", err
         self._settle()
-        agreed = torch.tensor([1.0 if mine == "prefix" else 0.0], device=self._comm)
+        agreed = torch.tensor([0.0 if refusal else 1.0 if mine == "prefix" else 0.5])
+        agreed = agreed.to(self._comm) if self._comm is not None else agreed
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        return mine if mine != "prefix" or agreed.item() > 0 else "padded"
+        if self.tcfg.packing == "prefix" and agreed.item() < 1.0:
+            raise refusal or ValueError(
+                "train.packing=prefix: another trainer rank's probe found it inexact; "
+                "set train.packing=auto or padded"
+            )
+        if mine == "prefix" and agreed.item() < 1.0:
+            log.info(
+                "train.packing=auto: padded micro-batches (another rank's probe refused prefix)"
+            )
+            return "padded"
+        return mine
 
     def _micro_batches(
         self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None

@@ -567,20 +567,12 @@ def prefix_response_logprobs(
     return PackedOutput(finish(logp), finish(ent) if ent is not None else None)
 
 
-def prefix_supported(
-    model: torch.nn.Module, compute_dtype: torch.dtype | None = None
-) -> tuple[bool, str]:
-    """Whether the `prefix` layout computes on `model` what `padded` computes, and why (not).
-
-    Refused without probing: gradient checkpointing (HF drops the cache in a checkpointed forward)
-    and sliding-window attention (the cache would be windowed). Otherwise a probe of two prompts with
-    two responses each (one token, and several) is run both ways without gradients, as the caller's
-    forward runs (under its autocast, or FSDP's gathered shards); the mean log-prob difference must
-    be within rounding of `compute_dtype` (default: the parameters' dtype): 1e-4 nats in float32,
-    2e-2 in half precision.
-    """
+def prefix_refused_unprobed(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run the `prefix` layout exactly, known without running it (None: only the
+    probe of `prefix_supported` can tell): a vision-language model, gradient checkpointing (HF
+    drops the cache in a checkpointed forward), windowed attention (the cache would be windowed)."""
     if vision_model(model) is not None:
-        return False, "a vision-language model's prompts carry pixels (their KV is not shared)"
+        return "a vision-language model's prompts carry pixels (their KV is not shared)"
     cfg = getattr(model, "config", None)
     name = (
         "is_activation_checkpointing"
@@ -588,7 +580,7 @@ def prefix_supported(
         else "is_gradient_checkpointing"
     )
     if getattr(model, name, False):
-        return False, "prefix off: gradient checkpointing drops the prompt cache"
+        return "prefix off: gradient checkpointing drops the prompt cache"
     layer_types = getattr(cfg, "layer_types", None) or []
     windowed = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
     if (
@@ -596,7 +588,24 @@ def prefix_supported(
         or getattr(cfg, "sliding_window", None)
         or getattr(cfg, "attention_chunk_size", None)
     ):
-        return False, "prefix off: windowed attention"
+        return "prefix off: windowed attention"
+    return None
+
+
+def prefix_supported(
+    model: torch.nn.Module, compute_dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
+    """Whether the `prefix` layout computes on `model` what `padded` computes, and why (not).
+
+    Refused without probing where `prefix_refused_unprobed` says so. Otherwise a probe of two prompts with
+    two responses each (one token, and several) is run both ways without gradients, as the caller's
+    forward runs (under its autocast, or FSDP's gathered shards); the mean log-prob difference must
+    be within rounding of `compute_dtype` (default: the parameters' dtype): 1e-4 nats in float32,
+    2e-2 in half precision.
+    """
+    refused = prefix_refused_unprobed(model)
+    if refused is not None:
+        return False, refused
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(0)
     tok = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
