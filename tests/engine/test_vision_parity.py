@@ -201,10 +201,7 @@ def test_weight_update_mid_generation_rebuilds_the_kv_with_the_pixels(vlm):
     model, processor = vlm
     ids, vision = encode_vision_prompt(processor, _rows()[1])
     old = copy.deepcopy(model)
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = _perturbed(model)
     engine = TorchEngine(copy.deepcopy(model), eos_token_ids=[], pad_token_id=0, seed=0)
     try:
         fut = engine.submit(ids, SamplingParams(n=2, max_new_tokens=200, seed=7), vision)
@@ -237,10 +234,7 @@ def test_text_only_prompts_that_open_alike_on_a_vision_language_model(vlm):
 
     model, processor = vlm
     ids, vision = encode_vision_prompt(processor, _rows()[2])
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = _perturbed(model)
     engine = TorchEngine(copy.deepcopy(model), eos_token_ids=[], pad_token_id=0, seed=0)
     try:
         engine.pause_sync()
@@ -259,6 +253,17 @@ def test_text_only_prompts_that_open_alike_on_a_vision_language_model(vlm):
         assert bool(after.any())
         ref_new = _hf_logprobs(new, ids, vision, c.token_ids)
         assert (got[after] - ref_new[after]).abs().max() < TOL
+
+
+def _perturbed(model):
+    """A copy of `model` with every weight moved by 0.05 standard normal noise: the next version."""
+    import copy
+
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return new
 
 
 def test_other_vision_language_architectures_are_refused():
