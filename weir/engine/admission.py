@@ -227,11 +227,10 @@ class Admission:
         shared, computed = None, 0
         if past is None:  # prompts that open alike (a prompt's episodes; a system message)
             shared, computed = self._shared_past(prompts, width)
+        before = past if shared is None else shared
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
-        logits, _, deltas = self._prefill_forward(
-            prompts, cache, visions=visions, past=past if shared is None else shared
-        )
-        computed += _computed(prompts, past if shared is None else shared)
+        logits, _, deltas = self._prefill_forward(prompts, cache, visions=visions, past=before)
+        computed += _computed(prompts, before)
         if past is not None:
             self._prefix.stats["reused_tokens"] += sum(lens) - computed
         elif shared is not None:

@@ -27,6 +27,7 @@ from weir.train.packing import (
     Layout,
     choose_layout,
     micro_batches,
+    prefix_refusal,
     prefix_refused_unprobed,
     response_logprobs,
 )
@@ -71,9 +72,7 @@ class Actor:
         elif self.tcfg.packing == "prefix":  # asked for: what can be refused without a probe is
             refused = prefix_refused_unprobed(self.model)
             if refused is not None:
-                raise ValueError(
-                    f"train.packing=prefix: {refused}; set train.packing=auto or padded"
-                )
+                raise prefix_refusal(refused)
         self.temperature = settings.temperature
         self.optimizer = make_optimizer(
             model.parameters(),

@@ -53,7 +53,13 @@ from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.deal import balance, deal_groups
 from weir.train.memory import peak_rss_since, reset_peak_rss
-from weir.train.packing import Layout, choose_layout, micro_batches, prefix_response_logprobs
+from weir.train.packing import (
+    Layout,
+    choose_layout,
+    micro_batches,
+    prefix_refusal,
+    prefix_response_logprobs,
+)
 from weir.train.precision import Precision, setup_device
 from weir.train.sharded_checkpoint import load_shards, save_shards
 
@@ -182,10 +188,7 @@ class ShardedActor(Actor):
         agreed = agreed.to(self._comm) if self._comm is not None else agreed
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if self.tcfg.packing == "prefix" and agreed.item() < 1.0:
-            raise refusal or ValueError(
-                "train.packing=prefix: another trainer rank's probe found it inexact; "
-                "set train.packing=auto or padded"
-            )
+            raise refusal or prefix_refusal("another trainer rank's probe found it inexact")
         if mine == "prefix" and agreed.item() < 1.0:
             log.info(
                 "train.packing=auto: padded micro-batches (another rank's probe refused prefix)"

@@ -164,7 +164,7 @@ def choose_layout(
     if packing == "prefix":  # asked for: refused up front where it would compute other numbers
         ok, reason = prefix_supported(model, compute_dtype)
         if not ok:
-            raise ValueError(f"train.packing=prefix: {reason}; set train.packing=auto or padded")
+            raise prefix_refusal(reason)
         return "prefix"
     if packing in ("packed", "padded"):
         return packing  # type: ignore[return-value]
@@ -565,6 +565,11 @@ def prefix_response_logprobs(
         return x
 
     return PackedOutput(finish(logp), finish(ent) if ent is not None else None)
+
+
+def prefix_refusal(reason: str) -> ValueError:
+    """The one-line error for `train.packing=prefix` asked for where it cannot run exactly."""
+    return ValueError(f"train.packing=prefix: {reason}; set train.packing=auto or padded")
 
 
 def prefix_refused_unprobed(model: torch.nn.Module) -> str | None:
