@@ -17,7 +17,7 @@ Workloads:
     python benchmarks/async_vs_sync.py --workload B --steps 6
     python benchmarks/async_vs_sync.py --workload calculator --model runs/calc_sft/model
     python benchmarks/async_vs_sync.py --splits 1:1 1:2 2:1 --reward-latency 0.02
-    python benchmarks/async_vs_sync.py --workload B --splits 1:1 --kv-on-update recompute keep
+    python benchmarks/async_vs_sync.py --workload B --splits 1:1 --in-flight recompute keep finish
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ import weir
 from weir.rollout.rewards import exact_match
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
+# --in-flight: what the async runs do with responses in flight at a weight update
+IN_FLIGHT = {
+    "recompute": ("", ["engine.kv_on_update=recompute"]),
+    "keep": (", keep KV", ["engine.kv_on_update=keep"]),
+    "finish": (", finish", ["loop.on_weight_update=finish"]),
+}
 QUIET = ["telemetry.console=false", "run.save_model=false", "data.eval_size=16"]
 WORKLOADS = {
     "arithmetic": (
@@ -81,11 +87,13 @@ def main() -> None:
         help="async thread splits engine:trainer",
     )
     ap.add_argument(
-        "--kv-on-update",
+        "--in-flight",
         nargs="+",
         default=["recompute"],
-        choices=["recompute", "keep"],
-        help="engine.kv_on_update of the async runs (each split runs once per value)",
+        choices=sorted(IN_FLIGHT),
+        help="what async does with responses in flight at a weight update (each split runs once "
+        "per value): recompute their KV (the default), keep it (engine.kv_on_update=keep), or "
+        "finish them under the old weights first (loop.on_weight_update=finish)",
     )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument(
@@ -111,17 +119,18 @@ def main() -> None:
         ]
         for split in args.splits:
             e, t = split.split(":")
-            for kv in args.kv_on_update:
+            for how in args.in_flight:
+                label, overrides = IN_FLIGHT[how]
                 modes.append(
                     (
-                        f"async {e}+{t} thr" + (", keep KV" if kv == "keep" else ""),
+                        f"async {e}+{t} thr{label}",
                         [
                             "loop.mode=async",
                             f"loop.max_staleness={args.eta}",
                             f"loop.engine_threads={e}",
                             f"loop.trainer_threads={t}",
                             f"model.threads={t}",
-                            f"engine.kv_on_update={kv}",
+                            *overrides,
                         ],
                     )
                 )

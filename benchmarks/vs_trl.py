@@ -71,7 +71,7 @@ N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
-TARGETS = {"sync": 2.0, "async": 3.0, "async-keep": 3.0}
+TARGETS = {"sync": 2.0, "async": 3.0, "async-keep": 3.0, "async-finish": 3.0}
 END_OF_TURN = "<|end|>"
 
 
@@ -202,7 +202,11 @@ def weir_worker(spec: dict) -> dict:
             "old_logprobs": "recompute",
         },
         "train": {"lr": LR, "grad_clip": 1.0, "mini_batches": 1, "epochs": 1},
-        "loop": {"mode": spec["mode"].removesuffix("-keep"), "max_staleness": 1},
+        "loop": {
+            "mode": spec["mode"].split("-")[0],
+            "max_staleness": 1,
+            "on_weight_update": "finish" if spec["mode"] == "async-finish" else "continue",
+        },
         "engine": {"kv_on_update": "keep" if spec["mode"] == "async-keep" else "recompute"},
         "telemetry": {"console": False, "trace": False},
     }
@@ -424,9 +428,10 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["sync", "async"],
-        choices=["sync", "async", "async-keep"],
+        choices=["sync", "async", "async-keep", "async-finish"],
         help="weir sides; async-keep: async with engine.kv_on_update=keep (no KV rebuild after a "
-        "weight update)",
+        "weight update); async-finish: async with loop.on_weight_update=finish (responses in "
+        "flight end under the old weights before an update)",
     )
     ap.add_argument(
         "--steps",

@@ -55,6 +55,42 @@ def test_requests_spread_by_outstanding_and_n_samples_stay_together(parts):
     assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]  # one request = one prompt
 
 
+def test_drain_ends_every_replicas_responses_then_holds_new_ones(parts):
+    """loop.on_weight_update=finish on Ray: `drain_sync` returns once every replica's responses in
+    flight ended under the weights they started with; a request sent meanwhile waits, and after an
+    update and `resume_sync` runs wholly under the new version."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40)
+    old = parts.sync.version
+
+    async def go():
+        base = _stat(parts, "requests")
+        tasks = [asyncio.create_task(parts.router.generate([5, 6, 7, i], params)) for i in range(4)]
+        # every request admitted into its replica's running batch, none left waiting
+        while sum(_stat(parts, "requests")) - sum(base) < 4 or any(
+            _stat(parts, "waiting_requests")
+        ):
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(parts.router.drain_sync)
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        ended = _stat(parts, "generated_tokens")
+        held = asyncio.create_task(parts.router.generate([9, 9], params))
+        await asyncio.sleep(0.3)
+        assert not held.done() and _stat(parts, "generated_tokens") == ended  # nothing decoded
+        await asyncio.to_thread(_push_one_version, parts)
+        parts.router.resume_sync()
+        return done, await asyncio.wait_for(held, 60)
+
+    out, late = asyncio.run(go())
+    comps = [c for cs in out for c in cs]
+    assert len(comps) == 8 and all(c.finish_reason in ("stop", "length") for c in comps)
+    assert all(set(c.versions) == {old} for c in comps)
+    assert len(late) == 2 and all(set(c.versions) == {old + 1} for c in late)
+
+
+def _stat(parts, key: str) -> list[int]:
+    return [int(s[key]) for s in ray.get([r.stats.remote() for r in parts.router.replicas])]
+
+
 def _push_one_version(parts):
     """Train one step and push it, so that a restarted replica has something to catch up on."""
     from tests.toy import toy_groups

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 
 import pytest
 import torch
-from engine_helpers import assert_parity, greedy_reference, make_prompts, wait_steps
+from engine_helpers import (
+    assert_parity,
+    greedy_reference,
+    make_prompts,
+    ref_logprobs,
+    wait_steps,
+)
 
 from weir.engine import Completion, Engine, SamplingParams, TorchEngine
 
@@ -302,6 +309,52 @@ def test_pause_holds_requests_in_flight_and_resume_continues(make_engine, model)
     )
     assert [c.token_ids for c in comps] == [c.token_ids for c in alone]
     assert len(waiting.result(timeout=30)[0].token_ids) == 3
+
+
+def test_drain_finishes_the_rows_in_flight_under_their_weights_and_holds_new_ones(
+    make_engine, model
+):
+    """`drain_sync` + update + `resume_sync` (loop.on_weight_update=finish): the responses in
+    flight end under the weights they started with, every token of them version 0 and the old
+    model's log-prob; a request submitted during the drain starts only after the update, wholly
+    under the new weights."""
+    engine = make_engine(eos_token_ids=[])
+    old = copy.deepcopy(model)
+    prompts = make_prompts(2, 5, 9, seed=33)
+    running = engine.submit_many(prompts, SamplingParams(n=2, max_new_tokens=60, seed=5))
+    wait_steps(engine, 4)
+    drained = {}
+
+    def drain():
+        engine.drain_sync()
+        drained["steps"] = engine.stats()["decode_steps"]
+
+    waiter = threading.Thread(target=drain)
+    waiter.start()
+    time.sleep(0.02)
+    late = engine.submit(prompts[0], SamplingParams(max_new_tokens=8, seed=6))
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert all(f.done() for f in running) and not late.done()  # held, not admitted
+    time.sleep(0.05)
+    assert engine.stats()["decode_steps"] == drained["steps"]  # nothing ran while held
+    assert engine.stats()["waiting_requests"] == 1
+    engine.update_weights_sync(_perturbed(model).items(), version=1)
+    engine.resume_sync()
+    (fresh,) = late.result(timeout=30)
+    for prompt, f in zip(prompts, running, strict=True):
+        for c in f.result():
+            assert len(c.token_ids) == 60 and set(c.versions) == {0}
+            assert_parity(old, prompt, c)
+    assert fresh.versions == [1] * 8
+    assert_parity(model, prompts[0], fresh)  # the engine's model holds the new weights
+    assert not torch.equal(
+        ref_logprobs(old, prompts[0], fresh.token_ids), torch.tensor(fresh.logprobs)
+    )
+    engine.pause_sync()
+    with pytest.raises(RuntimeError, match="paused or asleep"):
+        engine.drain_sync()
+    engine.resume_sync()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

@@ -104,11 +104,12 @@ def test_weights_reach_each_roles_engine_under_one_version():
         split_weights([("w", torch.zeros(1))], ["a", "b"])
 
 
-def test_pause_abort_sleep_close_reach_every_engine_and_stats_add_up():
+def test_pause_abort_drain_sleep_close_reach_every_engine_and_stats_add_up():
     a, b = FakeEngine(1), FakeEngine(3)
     router = RoleRouter({"a": a, "b": b}, sleep_while_training=True, offload_weights={"b": True})
     router.pause_sync()
     router.abort_sync()
+    router.drain_sync()
     router.resume_sync()
     with router.asleep():
         assert a.events[-1] == "sleep_sync{'offload_weights': False}"
@@ -118,6 +119,7 @@ def test_pause_abort_sleep_close_reach_every_engine_and_stats_add_up():
         assert [x.split("{")[0] for x in e.events] == [
             "pause_sync",
             "abort_sync",
+            "drain_sync",
             "resume_sync",
             "sleep_sync",
             "wake_sync",

@@ -138,6 +138,37 @@ def test_pause_holds_and_abort_keeps_tokens(standin, tmp_path):
         engine.close()
 
 
+def test_drain_lets_requests_in_flight_finish_and_holds_new_ones(standin, tmp_path):
+    """loop.on_weight_update=finish through a server engine: the update waits for the response in
+    flight, which is one version's; a request sent during the drain is sent to the server only after
+    the update and `resume_sync`, under the new version."""
+    standin.delay_s = 0.01
+    engine = make(tmp_path, standin.url)
+    try:
+        t, out = generate_bg(engine, [100], SamplingParams(max_new_tokens=30))
+        wait_tokens(engine, 3)
+        engine.drain_sync()
+        assert engine.stats()["generated_tokens"] == 30  # returned once the response was complete
+        t.join(10)
+        [c] = out["result"]
+        assert c.versions == [0] * 30 and c.logprobs == [-0.1] * 30
+        sent = len(standin.requests)
+        t2, out2 = generate_bg(engine, [200], SamplingParams(max_new_tokens=4))
+        time.sleep(0.2)
+        assert len(standin.requests) == sent and "result" not in out2  # held
+        engine.update_weights_sync([("step", torch.tensor(3))], version=1)
+        engine.resume_sync()
+        t2.join(30)
+        [d] = out2["result"]
+        assert d.versions == [1] * 4 and d.logprobs == [-0.3] * 4
+        engine.pause_sync()
+        with pytest.raises(RuntimeError, match="paused or asleep"):
+            engine.drain_sync()
+        engine.resume_sync()
+    finally:
+        engine.close()
+
+
 def test_sleep_releases_memory_and_wakes(standin, tmp_path):
     engine = make(tmp_path, standin.url, sleep_mode=True)
     engine.sleep_mode = True

@@ -121,6 +121,47 @@ def test_kv_on_update_rebuilds_or_keeps_the_kv_of_responses_in_flight(tmp_path, 
         assert recomputed == 0
 
 
+def _version_sets(log: list):
+    async def fn(ctx, row):
+        group = await default_rollout(ctx, row)
+        log.extend(frozenset(s.versions) for s in group.samples)
+        return group
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "policy, placement",
+    [("continue", "disaggregated"), ("finish", "disaggregated"), ("finish", "colocated")],
+)
+def test_finish_samples_every_response_under_one_version(tmp_path, policy, placement):
+    """48-token responses, the next batch generating while the trainer trains: with `continue` some
+    response spans a weight update; with `finish` every one is one version's, the update waiting
+    for it (time/drain) and no KV rebuilt."""
+    log: list[frozenset] = []
+    cfg = {
+        **SMALL,
+        "run": {**SMALL["run"], "steps": 4},
+        "rollout": {**SMALL["rollout"], "max_new_tokens": 48},
+        "loop": {
+            "mode": "async",
+            "max_staleness": 1,
+            "on_weight_update": policy,
+            "placement": placement,
+        },
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"], rollout=_version_sets(log))
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 4 and max(h["staleness/max"] for h in steps) <= 1
+    spans = max(len(v) for v in log)
+    if policy == "continue":
+        assert spans == 2
+    else:
+        assert spans == 1 and len({v for vs in log for v in vs}) >= 3
+        assert all(h["engine/recomputed_tokens"] == 0 for h in steps)
+        assert sum(h["time/drain"] for h in steps) > 0
+
+
 def test_kv_on_update_keep_is_refused_for_server_engines():
     with pytest.raises(ValueError, match="engine.kv_on_update=recompute"):
         load_config(None, ["engine.type=vllm", "engine.kv_on_update=keep"])

@@ -1,4 +1,5 @@
-"""A weight update while a response is in flight: continued with both versions, or aborted and regenerated."""
+"""A weight update while a response is in flight: continued with both versions, aborted and
+regenerated, or finished under the old weights before the update."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from weir.loop.producer import RolloutProducer
 from weir.rollout.single_turn import RolloutContext, rollout
 
 
-@pytest.mark.parametrize("abort", [False, True], ids=["continue", "abort"])
-def test_update_during_a_response(tiny_model_dir, abort):
+@pytest.mark.parametrize("policy", ["continue", "abort", "finish"])
+def test_update_during_a_response(tiny_model_dir, policy):
+    abort = policy == "abort"
     trainer_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     engine = TorchEngine(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(),
@@ -52,7 +54,7 @@ def test_update_during_a_response(tiny_model_dir, abort):
         parts = SimpleNamespace(
             engine=engine, trainer=SimpleNamespace(weights=trainer_model.named_parameters)
         )
-        swap_weights(parts, 1, abort=abort)
+        metrics = swap_weights(parts, 1, policy)
         group = buffer.get_batch(0, timeout=60)[0]
     finally:
         producer.stop()
@@ -61,6 +63,9 @@ def test_update_during_a_response(tiny_model_dir, abort):
     if abort:
         assert versions == {1}  # regenerated from scratch under the new weights
         assert producer.take_counts()["rollout/regenerated_groups"] >= 1
+    elif policy == "finish":
+        assert versions == {0}  # the update waited for the response to end
+        assert metrics["time/drain"] > 0 and engine.version == 1
     else:
         assert versions == {0, 1}  # one response, two weight versions
         assert all(s.versions == sorted(s.versions) for s in group.samples)

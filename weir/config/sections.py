@@ -404,10 +404,13 @@ class LoopConfig(Section):
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
     """Async: `disaggregated` runs engine and trainer at once on separate threads/cores;
     `colocated` pauses the engine while the trainer trains (time-sliced)."""
-    on_weight_update: Literal["continue", "abort", "mask_stale"] = "continue"
+    on_weight_update: Literal["continue", "abort", "mask_stale", "finish"] = "continue"
     """Async, for responses in flight when new weights arrive: `continue` under the new weights (each
-    token keeps its version), `abort` and regenerate from scratch, or keep the prefix but `mask_stale`
-    tokens (those from older versions than the sample's newest) out of the loss."""
+    token keeps its version), `abort` and regenerate from scratch, keep the prefix but `mask_stale`
+    tokens (those from older versions than the sample's newest) out of the loss, or `finish` them
+    under the weights they started with: the update waits until they are done, admitting nothing
+    new meanwhile, so every response is one version's and no KV is rebuilt (best with
+    loop.max_staleness=1, where the trainer needs those responses next anyway). See docs/async.md."""
     engine_threads: int | None = Field(1, ge=1)
     """Async: torch intra-op threads of the engine thread."""
     trainer_threads: int | None = Field(1, ge=1)

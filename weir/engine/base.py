@@ -103,7 +103,8 @@ class Engine(Protocol):
     ``generate`` returns the `n` completions of one prompt. ``update_weights`` loads new weights
     between decode steps and sets ``version``; ``pause`` stops decoding between steps (requests in
     flight keep their state), ``resume`` continues it, ``abort`` ends every request in flight now with
-    finish_reason "abort".
+    finish_reason "abort", ``drain`` lets the requests in flight finish while new ones wait (until
+    ``resume``) and returns once none is in flight.
     """
 
     version: int
@@ -120,12 +121,14 @@ class Engine(Protocol):
 
     async def abort(self) -> None: ...
 
+    async def drain(self) -> None: ...
+
 
 class SyncControl:
-    """The Engine protocol's async `pause` / `resume` / `abort` for an engine whose control is
-    blocking (`pause_sync`, `resume_sync`, `abort_sync`): pause and abort wait for the decode loop,
-    so they run in a worker thread and the event loop keeps serving; resume only signals, so it
-    runs in place."""
+    """The Engine protocol's async `pause` / `resume` / `abort` / `drain` for an engine whose
+    control is blocking (`pause_sync`, `resume_sync`, `abort_sync`, `drain_sync`): pause, abort and
+    drain wait for the decode loop, so they run in a worker thread and the event loop keeps serving;
+    resume only signals, so it runs in place."""
 
     async def pause(self) -> None:
         await asyncio.to_thread(self.pause_sync)
@@ -135,3 +138,6 @@ class SyncControl:
 
     async def abort(self) -> None:
         await asyncio.to_thread(self.abort_sync)
+
+    async def drain(self) -> None:
+        await asyncio.to_thread(self.drain_sync)

@@ -81,6 +81,9 @@ class EngineWorker:
     async def abort(self) -> None:
         await self.engine.abort()
 
+    async def drain(self) -> None:
+        await self.engine.drain()
+
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()
 

@@ -111,6 +111,10 @@ class RoleRouter(SyncControl):
         for e in self.engines.values():
             e.abort_sync()
 
+    def drain_sync(self) -> None:
+        for e in self.engines.values():
+            e.drain_sync()
+
     def close(self) -> None:
         for e in self.engines.values():
             e.close()

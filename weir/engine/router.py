@@ -195,6 +195,10 @@ class Router(SyncControl):
     def abort_sync(self) -> None:
         self._each("abort")
 
+    def drain_sync(self) -> None:
+        """Every replica lets its requests in flight finish, admitting none until `resume_sync`."""
+        self._each("drain")
+
     def sleep_sync(self, offload_weights: bool = False) -> None:
         """Every replica frees its KV cache (and with `offload_weights` parks its weights in host
         memory) until `wake_sync`."""

@@ -169,6 +169,9 @@ class ServerEngine:
         self._thread.start()
         self._client = self._call(self._make_client(httpx, request_timeout_s))
         self._running = self._call(self._make_event())
+        self._admitting = self._call(self._make_event())  # cleared by drain, set by resume
+        self._none_running = self._call(self._make_event())  # set while no request is in flight
+        self._requests_running = 0
         self._control = self._call(self._make_lock())
         self._closed = False
         self._watcher: asyncio.Task | None = None
@@ -228,6 +231,9 @@ class ServerEngine:
     async def abort(self) -> None:
         await self._in_loop(self._abort())
 
+    async def drain(self) -> None:
+        await self._in_loop(self._drain())
+
     def update_weights_sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         path = self._write(named, version)
         self._call(self._load(path, version))
@@ -240,6 +246,11 @@ class ServerEngine:
 
     def abort_sync(self) -> None:
         self._call(self._abort())
+
+    def drain_sync(self) -> None:
+        """Let the requests in flight finish, starting none of those that arrive meanwhile (they
+        wait for `resume_sync`); returns once none is in flight."""
+        self._call(self._drain())
 
     def sleep_sync(self) -> None:
         """Pause and release the servers' memory (weights and KV cache) until `wake_sync`."""
@@ -329,16 +340,24 @@ class ServerEngine:
         if params.max_new_tokens == 0:
             return [Completion([], [], [], "length") for _ in range(params.n)]
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        replica = await self._pick()
-        samples = [
-            _Sample(prompt, params, sample_seed(seed, i, 0), self._epoch, replica)
-            for i in range(params.n)
-        ]
-        self.outstanding[replica] += 1
+        await self._admitting.wait()
+        self._requests_running += 1
+        self._none_running.clear()
         try:
-            await asyncio.gather(*(self._run(s, i) for i, s in enumerate(samples)))
+            replica = await self._pick()
+            samples = [
+                _Sample(prompt, params, sample_seed(seed, i, 0), self._epoch, replica)
+                for i in range(params.n)
+            ]
+            self.outstanding[replica] += 1
+            try:
+                await asyncio.gather(*(self._run(s, i) for i, s in enumerate(samples)))
+            finally:
+                self.outstanding[replica] -= 1
         finally:
-            self.outstanding[replica] -= 1
+            self._requests_running -= 1
+            if not self._requests_running:
+                self._none_running.set()
         return [s.completion() for s in samples]
 
     async def _pick(self) -> int:
@@ -471,8 +490,15 @@ class ServerEngine:
         await self._stop_streams()
 
     async def _resume(self) -> None:
+        self._admitting.set()
         if not self.sleeping:
             self._running.set()
+
+    async def _drain(self) -> None:
+        if not self._running.is_set():
+            raise RuntimeError("drain: the engine is paused or asleep; resume or wake it first")
+        self._admitting.clear()
+        await self._none_running.wait()
 
     async def _abort(self) -> None:
         self._epoch += 1

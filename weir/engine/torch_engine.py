@@ -250,6 +250,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
         self._pending: deque[Request] = deque()
         self._cancelled: set[Request] = set()
         self._paused = False
+        self._holding = False  # drain_sync: admit nothing new until resume_sync
         self._interrupts = 0
         self._closed = False
         self._stopping = False
@@ -384,9 +385,27 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
             pass
 
     def resume_sync(self) -> None:
+        """Continue decoding after `pause_sync`, and admitting after `drain_sync`."""
         with self._mu:
-            self._paused = False
+            self._paused = self._holding = False
             self._cond.notify_all()
+
+    def drain_sync(self) -> None:
+        """Let the requests running now finish, admitting none of those waiting; return once none
+        runs. Requests submitted meanwhile wait for `resume_sync`.
+
+        A weight update made between the two reaches no response in flight: every response is
+        sampled under one weight version (``loop.on_weight_update=finish``)."""
+        self._check_not_engine_thread()
+        with self._mu:
+            if self._paused or self._asleep:
+                raise RuntimeError("drain: the engine is paused or asleep; resume or wake it first")
+            self._holding = True
+        with self._step_lock:  # an iteration in progress may still admit: let it end
+            pass
+        with self._mu:
+            while self._batch.n and not self._closed:
+                self._cond.wait()
 
     def abort_sync(self) -> None:
         """End every request in flight or waiting now: finish_reason "abort", the tokens so far kept."""
@@ -566,7 +585,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
                     self._paused
                     or self._asleep
                     or self._interrupts
-                    or (not self._batch.n and not self._pending)
+                    or (not self._batch.n and (self._holding or not self._pending))
                 ):
                     self._idle_wait()
                 if self._stopping:
@@ -582,6 +601,9 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     self._fail_running(exc)
                 self._stats["busy_s"] += time.perf_counter() - t0
+                if self._holding and not self._batch.n:
+                    with self._mu:
+                        self._cond.notify_all()  # a drain_sync waits for this
                 self._last_busy = time.monotonic()
 
     def _idle_wait(self) -> None:
@@ -611,7 +633,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
             if self._batch.n:
                 self._batch.cache = None  # rebuilt from the tokens: free the old KV first
                 self._recompute_kv()
-        newcomers = self._take_pending()
+        newcomers = [] if self._holding else self._take_pending()
         if newcomers:
             self._admit(newcomers)
         if self._batch.n:

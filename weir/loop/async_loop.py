@@ -82,11 +82,10 @@ def run_async(
             if batch is None:
                 run.log(step, gen, {"train/empty_steps": 1.0})
                 continue
-            if colocated:
-                parts.engine.pause_sync()
+            held = hold_engine(parts.engine, policy) if colocated else {}
             with engine_asleep(cfg, parts.engine, parts.model, when=colocated):
                 stats = parts.trainer.train(batch, critic=parts.critic)
-            sync = swap_weights(parts, run.bump_version(), abort=policy == "abort")
+            sync = swap_weights(parts, run.bump_version(), policy)
             if colocated:
                 parts.engine.resume_sync()
             evals = eval_metrics(parts) if run.should_eval(step) else {}
@@ -98,6 +97,7 @@ def run_async(
                 batch.metrics,
                 stats,
                 sync,
+                held,
                 flow,
                 load.sample(),
                 producer.take_counts(),
@@ -123,17 +123,38 @@ def next_batch(buffer: StalenessBuffer, producer: RolloutProducer, version: int)
         return None
 
 
-def swap_weights(parts: Components, version: int, *, abort: bool) -> dict[str, float]:
-    """Push new weights between decode steps; with `abort`, responses in flight end first and the
-    producer regenerates them from scratch under the new weights."""
-    if not abort:
+def hold_engine(engine, policy: str) -> dict[str, float]:
+    """Colocated: stop the engine for the trainer between decode steps; with `finish`, once the
+    responses in flight have ended under the weights they started with."""
+    if policy == "finish":
+        return drain(engine)
+    engine.pause_sync()
+    return {}
+
+
+def swap_weights(parts: Components, version: int, policy: str) -> dict[str, float]:
+    """Push new weights between decode steps (`loop.on_weight_update`): with `abort`, responses in
+    flight end first and the producer regenerates them under the new weights; with `finish`, they
+    end under the old weights first, the engine admitting nothing new until the new weights are in."""
+    if policy not in ("abort", "finish"):
         return push_weights(parts, version)
-    parts.engine.pause_sync()
     try:
+        if policy == "finish":
+            drained = drain(parts.engine)
+            return {**push_weights(parts, version), **drained}
+        parts.engine.pause_sync()
         parts.engine.abort_sync()
         return push_weights(parts, version)
     finally:
         parts.engine.resume_sync()
+
+
+def drain(engine) -> dict[str, float]:
+    """Wait for the engine's responses in flight to end, holding new ones (`time/drain`)."""
+    start = time.perf_counter()
+    with span("drain", cat="idle"):
+        engine.drain_sync()
+    return {"time/drain": time.perf_counter() - start}
 
 
 class EngineLoad:
