@@ -234,6 +234,7 @@ def weir_worker(spec: dict) -> dict:
                 "time/train",
                 "time/sync",
                 "time/wait_for_batch",
+                "time/drain",
                 "mismatch/abs_logp_diff",
                 "engine/recomputed_tokens",
             )
@@ -509,7 +510,8 @@ def main() -> None:
                     print(f"  round {rnd} {wl} {side}: FAILED\n{res['error']}", flush=True)
                 else:
                     print(
-                        f"  round {rnd} {wl} {side:10s} median {med(res['step_s'][1:]):6.2f} s/step, "
+                        f"  round {rnd} {wl} {side:10s} median {med(res['step_s'][1:]):6.2f} s/step "
+                        f"(mean {statistics.mean(res['step_s'][1:] or [float('nan')]):.2f}), "
                         f"reward {statistics.mean(res['reward']):.3f}, load {res['load']:.1f}",
                         flush=True,
                     )
@@ -602,7 +604,8 @@ def report(results, args, sides, load0) -> None:
                     print(
                         f"  {wl} {side} split (median s): generate {s['time/generate']:.2f}, train "
                         f"{s['time/train']:.2f}, sync {s['time/sync']:.2f}, wait "
-                        f"{s['time/wait_for_batch']:.2f}; median mismatch |logp diff| "
+                        f"{s['time/wait_for_batch']:.2f}, drain {s.get('time/drain', 0.0):.2f}; "
+                        "median mismatch |logp diff| "
                         f"{s.get('mismatch/abs_logp_diff', 0.0):.1e}, KV tokens recomputed a step "
                         f"{s.get('engine/recomputed_tokens', 0.0):.0f}"
                     )
