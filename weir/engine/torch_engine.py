@@ -53,13 +53,14 @@ their prompt + tokens so far), so every token after the update is sampled from t
 full context and its log-prob is exactly the new policy's (``recompute_kv_on_update=False`` skips this).
 
 Thread-safety: ``submit`` / ``generate`` may be called from any thread or event loop. The control
-methods (``pause`` / ``resume`` / ``abort`` / ``update_weights``) have async forms for the `Engine`
-protocol and ``*_sync`` forms for plain threads; they must not be called from the engine thread itself
-(a concurrent future's done-callback), except ``close``.
+methods (``pause`` / ``resume`` / ``drain`` / ``abort`` / ``update_weights``) have async forms for the
+`Engine` protocol and ``*_sync`` forms for plain threads; they must not be called from the engine
+thread itself (a concurrent future's done-callback), except ``close``.
 
 Modules
 -------
-This module holds the engine's thread and control. The decode step, and the direct forward it runs
+This module holds the engine's thread and its loop; control between steps (weight updates, pause,
+drain, abort) is in `weir.engine.control`. The decode step, and the direct forward it runs
 for Llama-family models, are in `weir.engine.decode`; admission (prefill, retirement) is in
 `weir.engine.admission`, which waiting requests join in `weir.engine.scheduler`, sampling in
 `weir.engine.sampler`, the running batch and its KV slabs in
@@ -78,9 +79,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -90,6 +90,7 @@ from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.engine.admission import Admission
 from weir.engine.base import Completion, SamplingParams, SyncControl
+from weir.engine.control import Control
 from weir.engine.decode import DecodeForward, Decoding
 from weir.engine.kv_budget import (
     KVMeter,
@@ -122,7 +123,7 @@ def _close_live_engines() -> None:
         engine.close(timeout=2.0)
 
 
-class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
+class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncControl):
     """Continuous-batching sampler over a Hugging Face causal LM (see the module docstring).
 
     Args:
@@ -336,82 +337,6 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
         """
         return [f.result() for f in self.submit_many(prompts, params)]
 
-    def update_weights_sync(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        """Between decode steps: copy `named_tensors` into the model in place, then set `version`.
-
-        Names are the model's ``named_parameters()`` / ``named_buffers()`` names. A tensor that is the
-        model's own parameter (colocated trainer) is not copied. An unknown name or a shape mismatch
-        raises and leaves the version unchanged (tensors already copied stay copied).
-        """
-        with self._exclusive(), torch.no_grad():
-            if self._offloaded is not None:
-                raise RuntimeError(
-                    "update_weights: the engine sleeps with its weights offloaded; wake it first"
-                )
-            try:
-                for name, tensor in named_tensors:
-                    dst = self._params.get(name)
-                    if dst is None:
-                        raise KeyError(
-                            f"update_weights: the model has no parameter or buffer {name!r}"
-                        )
-                    if tensor is dst or (
-                        tensor.data_ptr() == dst.data_ptr()
-                        and tensor.shape == dst.shape
-                        and tensor.dtype == dst.dtype
-                    ):
-                        continue
-                    if tensor.shape != dst.shape:
-                        raise ValueError(
-                            f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                            f"the model's is {tuple(dst.shape)}"
-                        )
-                    dst.copy_(tensor)
-                self._set_version(version)
-            finally:
-                # The weights may have changed even when nothing was copied (colocated trainer).
-                self._stale_kv = self._stale_kv or self._recompute_kv_on_update
-                self._drop_prefixes()
-
-    def pause_sync(self) -> None:
-        """Stop the loop between decode steps; requests in flight keep their state. Returns once
-        no step is running; requests submitted meanwhile wait."""
-        self._check_not_engine_thread()
-        with self._mu:
-            self._paused = True
-        with self._step_lock:  # wait for the iteration in progress to end
-            pass
-
-    def resume_sync(self) -> None:
-        """Continue decoding after `pause_sync`, and admitting after `drain_sync`."""
-        with self._mu:
-            self._paused = self._holding = False
-            self._cond.notify_all()
-
-    def drain_sync(self) -> None:
-        """Let the requests running now finish, admitting none of those waiting; return once none
-        runs. Requests submitted meanwhile wait for `resume_sync`.
-
-        A weight update made between the two reaches no response in flight: every response is
-        sampled under one weight version (``loop.on_weight_update=finish``)."""
-        self._check_not_engine_thread()
-        with self._mu:
-            if self._paused or self._asleep:
-                raise RuntimeError("drain: the engine is paused or asleep; resume or wake it first")
-            self._holding = True
-        with self._step_lock:  # an iteration in progress may still admit: let it end
-            pass
-        with self._mu:
-            while self._batch.n and not self._closed:
-                self._cond.wait()
-
-    def abort_sync(self) -> None:
-        """End every request in flight or waiting now: finish_reason "abort", the tokens so far kept."""
-        with self._exclusive():
-            self._abort_all()
-
     def close(self, timeout: float | None = 10.0) -> None:
         """Abort what is in flight and stop the loop thread. Idempotent; callable from a completion
         callback (then the loop stops after its current iteration)."""
@@ -507,52 +432,8 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, SyncControl):
             with self._mu:
                 self._cancelled.add(req)
 
-    def _check_not_engine_thread(self) -> None:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(
-                "TorchEngine control methods cannot be called from the engine thread (e.g. from a "
-                "future's done-callback); call them from another thread or from asyncio code"
-            )
-
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Hold the step lock between two iterations (the loop yields to us before its next one)."""
-        self._check_not_engine_thread()
-        with self._mu:
-            self._interrupts += 1
-        try:
-            with self._step_lock, torch.inference_mode(False):
-                yield
-        finally:
-            with self._mu:
-                self._interrupts -= 1
-                self._cond.notify_all()
-
     def _new_batch(self) -> RunningBatch:
         return RunningBatch(self._num_layers, self._device, self.max_batch_size, self._kv)
-
-    def _set_version(self, version: int) -> None:
-        version = int(version)
-        if version == self.version:
-            return
-        self.version = version
-        b = self._batch
-        if b.n:
-            for changes, ngen in zip(b.vchanges, b.ngen.tolist(), strict=True):
-                changes.append((ngen, version))
-
-    def _abort_all(self) -> None:
-        with self._mu:
-            pending = list(self._pending)
-            self._pending.clear()
-        for req in pending:
-            req.abort_unfinished()
-        b = self._batch
-        if b.n:
-            rows = list(range(b.n))
-            self._complete(b, rows, ["abort"] * len(rows))
-        self._batch = self._new_batch()
-        self._drop_prefixes()
 
     # -- internals: the loop -----------------------------------------------------------------------
 
