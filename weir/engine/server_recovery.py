@@ -1,0 +1,94 @@
+"""A server engine's replicas failing and coming back.
+
+Part of `weir.engine.server_engine.ServerEngine` (a mixin: the methods use the engine's state). A
+replica found dead (a request to it failed and its health check does too, or the watcher saw the
+process weir started exit) is marked down and restarted in the background, once; requests go to the
+other replicas meanwhile. Once it serves again it gets the current weights (and sleeps if the engine
+does) before it takes requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+__all__ = ["Recovery"]
+
+log = logging.getLogger("weir.engine.server_engine")
+
+
+class Recovery:
+    """The failure-and-recovery half of `ServerEngine` (see the module docstring)."""
+
+    def _alive(self, i: int) -> bool:
+        proc = self.replicas[i].process
+        return proc is None or proc.alive()
+
+    async def _watch(self, period_s: float) -> None:
+        """Every `period_s`, restart the servers weir started whose process has exited, so that a
+        server that dies while no request is on it is back before one needs it."""
+        while not self._closed:
+            await asyncio.sleep(period_s)
+            for i, replica in enumerate(self.replicas):
+                if self._closed:
+                    return
+                idle = self.healthy[i] and i not in self._recovering
+                if replica.owned and idle and not self._alive(i):
+                    await self._lost(i)
+
+    async def _lost(self, i: int) -> None:
+        """Mark replica `i` down and restart it in the background (once)."""
+        if not self.healthy[i] and i in self._recovering:
+            return
+        from weir.engine.servers import http_ok
+
+        if self._alive(i) and await asyncio.to_thread(http_ok, self.replicas[i].url + "/health"):
+            return  # a transient error: the server still serves
+        self.healthy[i] = False
+        if i not in self._recovering:
+            self._recovering[i] = asyncio.create_task(self._recover(i))
+
+    async def _stop_recovery(self) -> None:
+        tasks = list(self._recovering.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def _recover(self, i: int) -> None:
+        replica = self.replicas[i]
+        try:
+            if self._closed:  # the engine is shutting down: a restart would outlive it
+                return
+            if replica.process is not None and self.restart:
+                log.warning("%s server %s died; restarting it", self.backend.name, replica.url)
+                await asyncio.to_thread(replica.process.restart, lambda: self._closed)
+            else:
+                await asyncio.to_thread(replica.wait_ready, 3600.0, lambda: self._closed)
+            async with self._control:
+                if self.restore_path is not None:
+                    await self.backend.load_from_disk(self._client, replica.url, self.restore_path)
+                if self.sleeping:
+                    await self.backend.sleep(self._client, replica.url)
+            self.healthy[i] = True
+            self.restarts += 1
+            log.warning(
+                "%s server %s is back with weights version %d",
+                self.backend.name,
+                replica.url,
+                self.version,
+            )
+        except Exception as err:  # it stays down; requests go to the other replicas
+            log.error("%s server %s did not come back: %s", self.backend.name, replica.url, err)
+        finally:
+            self._recovering.pop(i, None)
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> bool:
+        """Block until every replica serves (True) or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(self.healthy) and not self._recovering:
+                return True
+            time.sleep(0.1)
+        return False
