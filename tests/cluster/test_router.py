@@ -36,12 +36,13 @@ def parts(ray_local, tiny_model_dir, tmp_path_factory):
     p.shutdown()
 
 
-def _requests(parts) -> list[int]:
-    return [int(s["requests"]) for s in ray.get([r.stats.remote() for r in parts.router.replicas])]
+def _stat(parts, key: str) -> list[int]:
+    """Engine stat `key` of every replica."""
+    return [int(s[key]) for s in ray.get([r.stats.remote() for r in parts.router.replicas])]
 
 
 def test_requests_spread_by_outstanding_and_n_samples_stay_together(parts):
-    before = _requests(parts)
+    before = _stat(parts, "requests")
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=4)
 
     async def go():
@@ -51,7 +52,7 @@ def test_requests_spread_by_outstanding_and_n_samples_stay_together(parts):
 
     out = asyncio.run(go())
     assert [len(c) for c in out] == [3] * 8  # each prompt's 3 samples came back together
-    after = _requests(parts)
+    after = _stat(parts, "requests")
     assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]  # one request = one prompt
 
 
@@ -85,10 +86,6 @@ def test_drain_ends_every_replicas_responses_then_holds_new_ones(parts):
     assert len(comps) == 8 and all(c.finish_reason in ("stop", "length") for c in comps)
     assert all(set(c.versions) == {old} for c in comps)
     assert len(late) == 2 and all(set(c.versions) == {old + 1} for c in late)
-
-
-def _stat(parts, key: str) -> list[int]:
-    return [int(s[key]) for s in ray.get([r.stats.remote() for r in parts.router.replicas])]
 
 
 def _push_one_version(parts):

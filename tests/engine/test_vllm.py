@@ -117,6 +117,18 @@ def test_sampled_logprobs_at_temperature_and_seeds(engine, base):
     assert [[c.token_ids for c in g] for g in other] != [[c.token_ids for c in g] for g in got]
 
 
+def generate_bg(engine, ps, params, tokens: int = 0) -> tuple[threading.Thread, dict]:
+    """`engine.generate_many(ps, params)` in a thread, its result in ``out["r"]``; returns the
+    thread and `out` once `tokens` more tokens have arrived."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
+    start = engine.stats()["generated_tokens"]
+    t.start()
+    while engine.stats()["generated_tokens"] < start + tokens:
+        time.sleep(0.005)
+    return t, out
+
+
 def _update_mid_generation(engine, old, new, version: int, seed: int) -> int:
     """Generate while `new` replaces `old` as `version`; check every sample's versions and log-probs
     and return how many samples span the update."""
@@ -124,12 +136,7 @@ def _update_mid_generation(engine, old, new, version: int, seed: int) -> int:
     # samples are unfinished even when the server runs far ahead of the client reading its streams
     ps = prompts(8, seed=seed)
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=200, seed=seed + 1)
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
-    start = engine.stats()["generated_tokens"]
-    t.start()
-    while engine.stats()["generated_tokens"] < start + 8:  # early: samples last ~200 tokens
-        time.sleep(0.005)
+    t, out = generate_bg(engine, ps, params, tokens=8)  # early: samples last ~200 tokens
     # pause first, so that under any load some samples are mid-way when the update lands (an
     # update alone pauses too, but a loaded machine may let every sample finish before it does)
     engine.pause_sync()
@@ -167,14 +174,9 @@ def test_weight_update_mid_generation_versions_and_logprobs(engine, base):
 
 def _pause_resume_abort(engine, seed: int) -> list:
     ps = prompts(2, seed=seed)
-    out: dict = {}
     # 16 samples: EOS (about 1 in 262 at T = 1 for this random model) cannot end them all first
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=400, seed=1)
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
-    start = engine.stats()["generated_tokens"]
-    t.start()
-    while engine.stats()["generated_tokens"] < start + 10:
-        time.sleep(0.01)
+    t, out = generate_bg(engine, ps, params, tokens=10)
     engine.pause_sync()
     held = engine.stats()["generated_tokens"]
     time.sleep(1.0)
@@ -209,20 +211,13 @@ def test_drain_finishes_requests_in_flight_under_their_weights(engine, base):
     after the update and `resume_sync`, wholly under the new weights."""
     new = perturbed(base, seed=6)
     ps = prompts(2, seed=7)
-    out: dict = {}
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=150, seed=8)
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
-    start = engine.stats()["generated_tokens"]
-    t.start()
-    while engine.stats()["generated_tokens"] < start + 8:
-        time.sleep(0.005)
+    t, out = generate_bg(engine, ps, params, tokens=8)
     engine.drain_sync()
     ended = engine.stats()["generated_tokens"]
     t.join(60)
-    late: dict = {}
     held = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=9)
-    t2 = threading.Thread(target=lambda: late.setdefault("r", engine.generate_many(ps[:1], held)))
-    t2.start()
+    t2, late = generate_bg(engine, ps[:1], held)
     time.sleep(0.5)
     assert "r" not in late and engine.stats()["generated_tokens"] == ended  # held, nothing decoded
     engine.update_weights_sync(new.state_dict().items(), version=1)
@@ -265,12 +260,7 @@ def test_killed_server_restarts_with_current_weights_and_requests_continue(engin
     params = SamplingParams(temperature=0.0, max_new_tokens=480)
     with TorchEngine(new, eos_token_ids=[EOS], pad_token_id=0) as ref_engine:
         ref = ref_engine.generate_many(ps, params)
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate_many(ps, params)))
-    start = engine.stats()["generated_tokens"]
-    t.start()
-    while engine.stats()["generated_tokens"] < start + 5:
-        time.sleep(0.005)
+    t, out = generate_bg(engine, ps, params, tokens=5)
     assert t.is_alive(), "the generation ended before the kill"
     proc = engine.replicas[0].process
     os.killpg(proc.pid, signal.SIGKILL)
