@@ -13,6 +13,8 @@ the conversation's next turn (`_keep_prefixes`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from weir.data.vision import VisionInputs
@@ -25,6 +27,15 @@ from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, SlabCache
 from weir.engine.streams import sample_key
 
 __all__ = ["Admission"]
+
+
+class Prefilled(NamedTuple):
+    """What `Admission._prefill_forward` returns."""
+
+    logits: torch.Tensor  # the last position's, float32 [rows, vocab]
+    start: torch.Tensor  # each sequence's first real column
+    deltas: list[int]  # each sequence's position offset (a vision-language model's rope delta)
+    computed: int  # tokens the forward computed, padding aside (after `past`: the last q columns)
 
 
 class Admission:
@@ -83,10 +94,11 @@ class Admission:
         width: int | None = None,
         visions: list[VisionInputs | None] | None = None,
         past: list[PrefixEntry] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    ) -> Prefilled:
         """One forward over `seqs` right-aligned in `width` columns (default: the longest), filling
-        `cache`. Returns the last position's logits, each sequence's first real column and its
-        position offset (a vision-language model's rope delta, `weir.data.vision_model`; else 0).
+        `cache`. Returns the last position's logits, each sequence's first real column, its
+        position offset (a vision-language model's rope delta, `weir.data.vision_model`; else 0)
+        and the tokens computed.
 
         With `past` (one cached prefix per sequence) only the last ``q = max(len(seq) - len(prefix))``
         columns are computed: the columns before them are copied from the prefixes, which cover them
@@ -119,7 +131,7 @@ class Admission:
             pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
             pos = pixels.pop("position_ids")
         logits = self._forward(ids, mask[:, None], pos, cache, **pixels)
-        return logits, start, deltas
+        return Prefilled(logits, start, deltas, sum(min(n, q) for n in lens))
 
     def _recompute_kv(self) -> None:
         """Rebuild the running rows' KV cache under the current weights (after a weight update), so
@@ -139,18 +151,17 @@ class Admission:
         chunk = max(1, self.max_prefill_tokens // width)
         if chunk >= b.n:
             cache = SlabCache(self._num_layers, Geometry(b.n), cols)
-            _, start, _ = self._prefill_forward(seqs, cache, visions=visions, past=past)
-            computed += _computed(seqs, past)
+            done = self._prefill_forward(seqs, cache, visions=visions, past=past)
+            start, computed = done.start, computed + done.computed
         else:  # several forwards, each padded to the common width, copied into one cache
             cache, starts = None, []
             for lo in range(0, b.n, chunk):
                 hi = min(lo + chunk, b.n)
                 part = SlabCache(self._num_layers, Geometry(hi - lo), width)
-                part_past = None if past is None else past[lo:hi]
-                _, part_start, _ = self._prefill_forward(
-                    seqs[lo:hi], part, width, visions[lo:hi], part_past
+                done = self._prefill_forward(
+                    seqs[lo:hi], part, width, visions[lo:hi], None if past is None else past[lo:hi]
                 )
-                computed += _computed(seqs[lo:hi], part_past)
+                computed += done.computed
                 if cache is None:
                     cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
                     for layer, src in zip(cache.layers, part.layers, strict=True):
@@ -161,7 +172,7 @@ class Admission:
                 for layer, src in zip(cache.layers, part.layers, strict=True):
                     layer.keys[lo:hi, :, :width].copy_(src.keys[:, :, :width])
                     layer.values[lo:hi, :, :width].copy_(src.values[:, :, :width])
-                starts.append(part_start)
+                starts.append(done.start)
             start = torch.cat(starts)
         b.cache, b.geo = cache, cache.geo
         b.start.copy_(start)
@@ -193,7 +204,7 @@ class Admission:
             return None, 0
         prefixes = [seqs[i][:n] for i, n in zip(shared.first, shared.lengths, strict=True)]
         pcache = SlabCache(self._num_layers, Geometry(groups), wp)
-        self._prefill_forward(prefixes, pcache)
+        computed = self._prefill_forward(prefixes, pcache).computed
         entries = [
             PrefixEntry(
                 tuple(p),
@@ -211,7 +222,7 @@ class Admission:
             self.version,
             0,
         )
-        return [entries[g] if g >= 0 else none for g in shared.group], sum(shared.lengths)
+        return [entries[g] if g >= 0 else none for g in shared.group], computed
 
     def _prefill(
         self, reqs: list[Request], past: list[PrefixEntry] | None = None
@@ -229,8 +240,10 @@ class Admission:
             shared, computed = self._shared_past(prompts, width)
         before = past if shared is None else shared
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
-        logits, _, deltas = self._prefill_forward(prompts, cache, visions=visions, past=before)
-        computed += _computed(prompts, before)
+        logits, _, deltas, done = self._prefill_forward(
+            prompts, cache, visions=visions, past=before
+        )
+        computed += done
         if past is not None:
             self._prefix.stats["reused_tokens"] += sum(lens) - computed
         elif shared is not None:
@@ -391,13 +404,3 @@ class Admission:
                     lp - lz for lp, lz in zip(lps[j][:g], lzs[j][:g], strict=True)
                 ]
             b.reqs[r].finish_sample(b.sample_idx[r], comp)
-
-
-def _computed(seqs: list[list[int]], past: list[PrefixEntry] | None) -> int:
-    """Tokens a forward over `seqs` computes after `past` (`_prefill_forward`: the last
-    ``q = max(len - prefix)`` columns of every row, its padding aside; all of them without)."""
-    lens = [len(x) for x in seqs]
-    if past is None:
-        return sum(lens)
-    q = max(n - e.length for n, e in zip(lens, past, strict=True))
-    return sum(min(n, q) for n in lens)
