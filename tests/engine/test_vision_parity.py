@@ -291,3 +291,28 @@ def test_tiny_vlm_paths_name_the_architecture(tmp_path):
         assert type(load_processor(out)).__name__.startswith("Image")  # images only, no torchvision
     with pytest.raises(ValueError, match="unknown tiny VLM architecture 'llava'"):
         resolve_model_path("tiny-vlm:nano:llava", tmp_path)
+
+
+def test_a_tiny_vlm_loads_its_image_processor_where_autoprocessor_would_not(tmp_path, monkeypatch):
+    """transformers before 5.20 (5.17 on the GPU image) looks a saved `processor_class` up among
+    its own classes only and hands back the bare tokenizer; weir's image-only classes load anyway.
+    The directory also carries preprocessor_config.json, as released checkpoints do."""
+    import transformers
+
+    from weir.data import vision_processor
+
+    path = build_tiny_vlm(tmp_path / "vlm", size="nano", arch="qwen3_vl")
+    assert (path / "preprocessor_config.json").exists()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    monkeypatch.setattr(
+        vision_processor.AutoProcessor, "from_pretrained", lambda *a, **k: tokenizer
+    )
+    processor = load_processor(path)
+    assert type(processor).__name__ == "ImageQwen3VLProcessor"
+    assert processor.image_processor is not None
+    (
+        path / "processor_config.json"
+    ).unlink()  # a directory naming no class of weir's: AutoProcessor
+    (path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no image processor"):
+        load_processor(path)

@@ -59,10 +59,12 @@ def test_separate_policies_train_on_the_gpu(scorer, mode):
     result = weir.run(_config(mode), [f"run.dir={scorer / mode}"])
     hist = [h for h in result.history if "train/a/samples" in h]
     assert len(hist) == 3
-    for h in hist:
-        assert h["train/a/samples"] == 64
-        # bf16 engines against fp32 trainers: log-probs close, not equal
-        assert h["mismatch/a/abs_logp_diff"] < 5e-2
+    assert all(h["train/a/samples"] == 64 for h in hist)
+    # bf16 engines against fp32 trainers: log-probs close, not equal. Only where the samples came
+    # from the weights being trained: a stale sample's difference is also the policy's own change.
+    fresh = [h for h in hist if h.get("staleness/a/max", h.get("staleness/max", 0)) == 0]
+    assert fresh and (mode == "async" or len(fresh) == 3)
+    assert all(h["mismatch/a/abs_logp_diff"] < 5e-2 for h in fresh)
     a = load_file(result.dir / "model" / "a" / "model.safetensors")
     b = load_file(result.dir / "model" / "b" / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a)

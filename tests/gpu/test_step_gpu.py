@@ -20,6 +20,7 @@ CUDA = torch.device("cuda", 0)
 
 
 def test_prefix_layout_equals_padded_on_cuda(tiny_model_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact float32: the layouts, not TF32, compared
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA).eval()
     assert choose_layout(model, "auto", shared_prompts=True) == "prefix"
     batch = make_batch(toy_groups(), version=0)

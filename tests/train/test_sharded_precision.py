@@ -77,3 +77,41 @@ def test_auto_resolves_to_prefix_at_the_first_step_in_the_compute_dtype(
     assert actor._layout is None
     actor.train(make_batch(toy_groups(), version=0))
     assert actor.layout == "prefix"
+
+
+def test_compute_device_is_where_fsdp_gathers_not_where_shards_rest(tiny_model_dir, one_rank_group):
+    """Inputs and targets go where the forward computes. With CPU offload on a GPU the shards rest
+    on the host, so the parameters' device is the wrong answer (a GPU run failed on exactly this)."""
+    from weir.train.distributed import shard_model
+    from weir.train.precision import compute_device
+
+    model = shard_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert compute_device(model) == model._get_fsdp_state()._device == torch.device("cpu")
+
+    class Offloaded(torch.nn.Linear):
+        def _get_fsdp_state(self):
+            return type("State", (), {"_device": torch.device("cuda", 0)})()
+
+    assert compute_device(Offloaded(2, 2)) == torch.device("cuda", 0)
+    assert compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+
+
+def test_a_meta_model_sharded_for_a_gpu_rank_gets_the_cpu_offload_policy(
+    tiny_model_dir, monkeypatch
+):
+    """A rank starting from the meta device has no parameter device to read: it names its own,
+    or FSDP2 would keep the host-materialised shards without offloading (gradients then land on
+    the GPU beside host parameters, as the first GPU run showed)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from weir.train import distributed
+    from weir.train.meta_init import build_on_meta
+
+    seen = []
+    monkeypatch.setattr(distributed, "fully_shard", lambda m, **kw: seen.append(kw) or m)
+    meta = build_on_meta(str(tiny_model_dir), torch.float32)
+    distributed.shard_model(meta, offload=True, device=torch.device("cuda", 0))
+    assert seen and all(isinstance(kw["offload_policy"], CPUOffloadPolicy) for kw in seen)
+    seen.clear()
+    distributed.shard_model(meta, offload=True, device=torch.device("cpu"))
+    assert seen and not any(isinstance(kw["offload_policy"], CPUOffloadPolicy) for kw in seen)

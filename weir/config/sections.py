@@ -65,6 +65,12 @@ class ModelConfig(Section):
     selfcheck: bool = True
     """At start-up, compare packed with unpacked and engine with trainer log-probs on the model
     (docs/models.md); on a packing mismatch fall back to `train.packing=padded`, else stop."""
+    cudnn_attention: bool = False
+    """Let PyTorch's SDPA attention run on cuDNN (CUDA only; process-wide, in the trainer and the
+    built-in engine). Off by default: torch sends attention with a mask to cuDNN first on Hopper
+    and newer GPUs, and cuDNN builds an execution plan for every new shape (each decode step's
+    longer KV, each new padded length), milliseconds to a second each; off, SDPA uses its flash and
+    memory-efficient kernels, which need no plan. See docs/gpu.md."""
 
 
 class DataConfig(Section):

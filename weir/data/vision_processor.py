@@ -6,11 +6,14 @@ class also builds a video processor, which needs torchvision; PyPI's torchvision
 against CUDA torch and do not load next to the CPU torch weir installs on CPU machines. So weir
 registers `ImageQwen2_5_VLProcessor` and `ImageQwen3VLProcessor` (the same image handling, no
 video) with `AutoProcessor`, and directories saved with them (weir's tiny VLMs) load through the
-standard path.
+standard path. transformers before 5.20 looks a saved ``processor_class`` up by name among its own
+classes only and, not finding these, returns the bare tokenizer; `load_processor` loads a
+directory that names one of them with that class directly.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +64,10 @@ def load_processor(path: str | Path) -> Any:
     """The processor of the vision-language model at `path` (its tokenizer is ``.tokenizer``).
 
     Raises ValueError, naming the fix, when the directory has no image processor."""
+    own = {c.__name__: c for c in (ImageQwen2_5_VLProcessor, ImageQwen3VLProcessor)}
+    loader = own.get(_saved_processor_class(Path(path)) or "", AutoProcessor)
     try:
-        processor = AutoProcessor.from_pretrained(str(path))
+        processor = loader.from_pretrained(str(path))
     except (OSError, ValueError, ImportError) as err:
         raise ValueError(
             f"cannot load the processor of the vision-language model at {path}: {err}. The "
@@ -74,3 +79,16 @@ def load_processor(path: str | Path) -> Any:
             "(preprocessor_config.json); copy it from the model's original directory"
         )
     return processor
+
+
+def _saved_processor_class(path: Path) -> str | None:
+    """The ``processor_class`` a saved processor names (processor_config.json, else
+    tokenizer_config.json), or None."""
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        try:
+            found = json.loads((path / name).read_text()).get("processor_class")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str):
+            return found
+    return None

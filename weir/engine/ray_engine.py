@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from weir.config.devices import resolve_dtype
+from weir.config.devices import resolve_dtype, set_cudnn_attention
 from weir.config.sections import EngineConfig
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.kv_budget import kv_options
@@ -31,6 +31,7 @@ class EngineWorker:
             the same HF class, without this package importing training code.
         seed: the run's seed.
         on_gpu: whether this replica was given a GPU (cluster.engines.gpus > 0).
+        cudnn_attention: allow cuDNN's attention backend there (`model.cudnn_attention`).
     """
 
     def __init__(
@@ -42,10 +43,12 @@ class EngineWorker:
         *,
         seed: int = 0,
         on_gpu: bool = False,
+        cudnn_attention: bool = False,
     ) -> None:
         torch.set_num_threads(1)
         self.index = index
         device = torch.device("cuda" if on_gpu else "cpu")
+        set_cudnn_attention(device, cudnn_attention)
         dtype = resolve_dtype(engine.dtype, device)
         model, tokenizer, eos_ids = load(model_path, dtype)
         model = model.to(device).eval()

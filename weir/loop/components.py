@@ -322,7 +322,9 @@ def load_run_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
     else:
         device = resolve_device(cfg.train.device, key="train.device")
     precision = Precision.from_config(cfg.train, device=device)
-    setup_device(precision, deterministic=cfg.run.deterministic)
+    setup_device(
+        precision, deterministic=cfg.run.deterministic, cudnn_attention=cfg.model.cudnn_attention
+    )
     return load_model(run_model_path(cfg, run_dir), precision.param_dtype, precision.device)
 
 

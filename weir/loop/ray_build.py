@@ -70,6 +70,7 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
                 load_for_engine,
                 seed=cfg.run.seed,
                 on_gpu=c.engines.gpus > 0,
+                cudnn_attention=cfg.model.cudnn_attention,
             )
             for i in range(c.engines.replicas)
         ]

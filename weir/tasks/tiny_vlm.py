@@ -173,4 +173,7 @@ def build_tiny_vlm(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    # preprocessor_config.json too, as released checkpoints ship it: transformers before 5.20 reads
+    # the image processor only from there, not from processor_config.json
+    processor.image_processor.save_pretrained(out)
     return out

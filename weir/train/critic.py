@@ -34,7 +34,7 @@ from weir.train.model import load_model, resolve_model_path
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import Layout, choose_layout, left_pad, micro_batches, pack
-from weir.train.precision import Precision
+from weir.train.precision import Precision, compute_device
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def response_values(
     `packed`: one row, position ids restarting per sequence; `padded`: one left-padded row per
     sequence with an attention mask. Both give the same numbers up to kernel summation order.
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     width = pad_to or max(response_lengths)
     out = torch.zeros(len(sequences), width, device=device)
     if layout == "packed":

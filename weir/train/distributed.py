@@ -71,6 +71,7 @@ def shard_model(
     *,
     compute_dtype: torch.dtype | None = None,
     offload: bool = False,
+    device: torch.device | None = None,
 ) -> torch.nn.Module:
     """Apply FSDP2 in place: one unit per decoder layer, one for the embedding, final norm and LM
     head together (a tied embedding is one parameter of both), and the root holding nothing else.
@@ -82,6 +83,8 @@ def shard_model(
     bfloat16) FSDP2's MixedPrecisionPolicy casts the gathered parameters to it for the forward and
     backward, and reduces gradients in float32. `offload` keeps parameters, gradients and optimizer
     state in CPU memory between uses (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU).
+    `device`: where the rank computes (default: the parameters' device; a model still on the meta
+    device must name it, or the offload is not set up).
     """
     master = next(model.parameters()).dtype
     kwargs: dict[str, Any] = {}
@@ -89,7 +92,7 @@ def shard_model(
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32
         )
-    on_gpu = next(model.parameters()).is_cuda  # on the CPU the state is on the host already
+    on_gpu = (device or next(model.parameters()).device).type == "cuda"  # CPU: on the host already
     kwargs["offload_policy"] = CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -280,13 +283,15 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class RankSettings:
     """What a trainer rank needs from the run's config: the actor's settings, the cluster's
-    layout (devices per rank, colocation, offload), threads, seed and determinism."""
+    layout (devices per rank, colocation, offload), threads, seed, determinism and whether cuDNN
+    attention is allowed."""
 
     actor: ActorSettings
     cluster: ClusterConfig
     threads: int = 1
     seed: int = 0
     deterministic: bool = False
+    cudnn_attention: bool = False
 
     @property
     def train(self) -> TrainConfig:
@@ -300,6 +305,7 @@ class RankSettings:
             threads=cfg.model.threads or 1,
             seed=cfg.run.seed,
             deterministic=cfg.run.deterministic,
+            cudnn_attention=cfg.model.cudnn_attention,
         )
 
 
@@ -332,7 +338,11 @@ class TrainerRank:
         on_gpu = self.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
         precision = Precision.from_config(self.settings.train, device=self.device)
-        setup_device(precision, deterministic=self.settings.deterministic)
+        setup_device(
+            precision,
+            deterministic=self.settings.deterministic,
+            cudnn_attention=self.settings.cudnn_attention,
+        )
         dist.init_process_group(
             backend,
             init_method=f"tcp://{host}:{port}",
@@ -385,7 +395,9 @@ class TrainerRank:
 
         def start(meta: torch.nn.Module) -> torch.nn.Module:
             nonlocal read
-            shard_model(meta, compute_dtype=compute, offload=offload)
+            shard_model(
+                meta, compute_dtype=compute, offload=offload, device=torch.device(self.device)
+            )
             materialize(meta, where)
             read += load_local_shards(meta, layout)
             return meta

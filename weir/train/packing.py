@@ -40,6 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 from weir.algo import entropy_from_logits, logprobs_from_logits
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
+from weir.train.precision import compute_device, rounding_tolerance
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ def packed_response_logprobs(
     visions: list[VisionInputs | None] | None = None,
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module docstring)."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     flat, positions, keep = pack(sequences, response_lengths)
     input_ids = torch.tensor([flat], device=device)
     extra = {"position_ids": torch.tensor([positions], device=device)}
@@ -350,7 +351,7 @@ def padded_response_logprobs(
     (b, R + 1) block as a view (no gather copy of the logits); the columns that belong to no
     response get a dummy target and are dropped afterwards.
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     b, width = len(sequences), max(len(s) for s in sequences)
     r = max(response_lengths)
     ids, attn, positions = left_pad(sequences)
@@ -453,7 +454,7 @@ def prefix_response_logprobs(
     """
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = compute_device(model)
     b = len(sequences)
     prompt_of: dict[tuple[int, ...], int] = {}
     rows_prompt: list[int] = []
@@ -605,8 +606,8 @@ def prefix_supported(
     Refused without probing where `prefix_refused_unprobed` says so. Otherwise a probe of two prompts with
     two responses each (one token, and several) is run both ways without gradients, as the caller's
     forward runs (under its autocast, or FSDP's gathered shards); the mean log-prob difference must
-    be within rounding of `compute_dtype` (default: the parameters' dtype): 1e-4 nats in float32,
-    2e-2 in half precision.
+    be within rounding of `compute_dtype` (default: the parameters' dtype), as
+    `weir.train.precision.rounding_tolerance` bounds it.
     """
     refused = prefix_refused_unprobed(model)
     if refused is not None:
@@ -618,7 +619,7 @@ def prefix_supported(
     seqs = [a + tok(4), b + tok(1), a + tok(1), b + tok(6)]
     lens = [4, 1, 1, 6]
     dtype = compute_dtype or next(model.parameters()).dtype
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = rounding_tolerance(dtype, compute_device(model))
     was_training = model.training
     model.eval()
     try:
