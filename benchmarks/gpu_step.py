@@ -17,6 +17,7 @@ weights with bfloat16 compute, a bfloat16 engine:
     python benchmarks/gpu_step.py                        # both shapes, 256 prompts x 8 x 512
     python benchmarks/gpu_step.py --quick                # 32 prompts x 8 x 128: a smoke run
     python benchmarks/gpu_step.py --grpo-steps 20 --ray  # plus the loop, locally and on Ray
+    python benchmarks/gpu_step.py --quick --compare-cudnn # engine with cuDNN attention off vs on
     python benchmarks/gpu_step.py --device cpu --shapes tiny --quick   # code path check, no GPU
 
 Writes a JSON of every figure to --out (default gpu_step.json) and prints a table.
@@ -124,6 +125,23 @@ def engine_decode(model, device, batch, n, new_tokens, max_rows):
     }
     del engine_model
     return out, figures
+
+
+def cudnn_comparison(model, device, batch, args) -> dict[str, Any]:
+    """Engine decode tokens/s with cuDNN's SDPA backend off and on, alternating, twice each: torch
+    sends masked attention to cuDNN first on Hopper, and cuDNN plans per shape (weir.config.devices
+    .set_cudnn_attention)."""
+    from weir.config.devices import set_cudnn_attention
+
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(2):
+        for mode in ("off", "on"):
+            set_cudnn_attention(device, mode == "on")
+            _, figures = engine_decode(model, device, batch, args.n, args.new_tokens, args.max_rows)
+            runs[mode].append(figures["engine_tok_s"])
+    set_cudnn_attention(device, args.cudnn_attention)
+    best = {k: max(v) for k, v in runs.items()}
+    return {"cudnn_comparison": {**runs, "off_over_on": best["off"] / best["on"]}}
 
 
 def hf_generate(model, device, batch, n, new_tokens, rows_per_call):
@@ -324,14 +342,25 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="also run the GRPO steps on Ray")
     ap.add_argument("--quick", action="store_true", help="32 prompts x 8 x 128 tokens")
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let SDPA use cuDNN (model.cudnn_attention; weir's default is off)",
+    )
+    ap.add_argument(
+        "--compare-cudnn",
+        action="store_true",
+        help="also time the engine with cuDNN attention the other way, alternating",
+    )
     ap.add_argument("--out", default="gpu_step.json")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.new_tokens, args.hf_prompts = 32, 128, 16
-    from weir.config.devices import enable_tf32, resolve_device
+    from weir.config.devices import enable_tf32, resolve_device, set_cudnn_attention
 
     device = resolve_device(args.device)
     enable_tf32(device, deterministic=False)
+    set_cudnn_attention(device, args.cudnn_attention)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -350,6 +379,9 @@ def main() -> None:
         )
         tr = train_step(model, device, batch, comps, args)
         row = {**eng, **hf, **tr, "engine_vs_hf": eng["engine_tok_s"] / hf["hf_tok_s"]}
+        if args.compare_cudnn:
+            row.update(cudnn_comparison(model, device, batch, args))
+            print(f"{shape}: cuDNN attention", row["cudnn_comparison"], flush=True)
         report["shapes"][shape] = row
         mfu = "n/a" if tr["mfu_6nd"] is None else f"{tr['mfu_6nd']:.1%}"
         print(
