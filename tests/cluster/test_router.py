@@ -71,7 +71,7 @@ def test_drain_ends_every_replicas_responses_then_holds_new_ones(parts):
             _stat(parts, "waiting_requests")
         ):
             await asyncio.sleep(0.005)
-        await asyncio.to_thread(parts.router.drain_sync)
+        assert await asyncio.to_thread(parts.router.drain_sync, 60.0) is True
         done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         ended = _stat(parts, "generated_tokens")
         held = asyncio.create_task(parts.router.generate([9, 9], params))

@@ -357,6 +357,30 @@ def test_drain_finishes_the_rows_in_flight_under_their_weights_and_holds_new_one
     engine.resume_sync()
 
 
+def test_a_drain_that_times_out_leaves_the_rows_running_into_the_new_weights(make_engine, model):
+    """`drain_sync(timeout)` (loop.finish_timeout_s): a response longer than the wait is still
+    decoding when it returns False; the update then reaches it, as with `continue`, and the
+    request held meanwhile starts only after `resume_sync`. With nothing in flight it is True."""
+    engine = make_engine(eos_token_ids=[])
+    prompt = make_prompts(1, 6, 6, seed=34)[0]
+    long = engine.submit(prompt, SamplingParams(n=2, max_new_tokens=400, seed=7))
+    wait_steps(engine, 3)
+    t0 = time.perf_counter()
+    assert engine.drain_sync(timeout=0.05) is False
+    assert 0.05 <= time.perf_counter() - t0 < 5 and not long.done()
+    late = engine.submit(prompt, SamplingParams(max_new_tokens=4, seed=8))
+    engine.update_weights_sync(_perturbed(model).items(), version=1)
+    time.sleep(0.05)
+    assert engine.stats()["waiting_requests"] == 1  # still held: not admitted before resume
+    engine.resume_sync()
+    for c in long.result(timeout=60):
+        assert len(c.token_ids) == 400 and set(c.versions) == {0, 1}
+        assert c.versions == sorted(c.versions)
+    assert late.result(timeout=30)[0].versions == [1] * 4
+    assert engine.drain_sync(timeout=0.05) is True  # nothing in flight
+    engine.resume_sync()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dying_loop_thread_fails_every_caller(make_engine, model):
     forward = model.forward

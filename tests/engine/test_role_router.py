@@ -42,6 +42,11 @@ class FakeEngine:
     def load_state_dict(self, state) -> None:
         self.rng, self.version = state["rng"], state["version"]
 
+    def drain_sync(self, timeout=None) -> bool:
+        self.events.append("drain_sync")
+        self.drain_timeouts = [*getattr(self, "drain_timeouts", []), timeout]
+        return getattr(self, "drained", True)
+
     def __getattr__(self, name: str):
         if name.endswith("_sync") or name == "close":
             return lambda **kw: self.events.append(name + (f"{kw}" if kw else ""))
@@ -102,6 +107,15 @@ def test_weights_reach_each_roles_engine_under_one_version():
         asyncio.run(router.update_weights([("a/w", torch.zeros(2))], 6))
     with pytest.raises(KeyError, match="names no role"):
         split_weights([("w", torch.zeros(1))], ["a", "b"])
+
+
+def test_drain_shares_one_timeout_across_the_roles_and_reports_any_left_running():
+    a, b = FakeEngine(1), FakeEngine(3)
+    router = RoleRouter({"a": a, "b": b})
+    assert router.drain_sync() is True and a.drain_timeouts == b.drain_timeouts == [None]
+    b.drained = False
+    assert router.drain_sync(timeout=5.0) is False
+    assert 0 <= b.drain_timeouts[-1] <= a.drain_timeouts[-1] <= 5.0
 
 
 def test_pause_abort_drain_sleep_close_reach_every_engine_and_stats_add_up():

@@ -169,6 +169,27 @@ def test_drain_lets_requests_in_flight_finish_and_holds_new_ones(standin, tmp_pa
         engine.close()
 
 
+def test_a_drain_that_times_out_returns_false_and_the_response_goes_on(standin, tmp_path):
+    """loop.finish_timeout_s through a server engine: `drain_sync(timeout)` gives up while the
+    response is still streaming, which then completes; with nothing in flight it returns True."""
+    standin.delay_s = 0.01
+    engine = make(tmp_path, standin.url)
+    try:
+        t, out = generate_bg(engine, [100], SamplingParams(max_new_tokens=60))
+        wait_tokens(engine, 3)
+        t0 = time.perf_counter()
+        assert engine.drain_sync(timeout=0.05) is False
+        assert time.perf_counter() - t0 >= 0.05 and "result" not in out
+        engine.resume_sync()
+        t.join(30)
+        [c] = out["result"]
+        assert len(c.token_ids) == 60
+        assert engine.drain_sync(timeout=1.0) is True
+        engine.resume_sync()
+    finally:
+        engine.close()
+
+
 def test_sleep_releases_memory_and_wakes(standin, tmp_path):
     engine = make(tmp_path, standin.url, sleep_mode=True)
     engine.sleep_mode = True

@@ -261,7 +261,8 @@ def test_killed_server_restarts_with_current_weights_and_requests_continue(engin
     with TorchEngine(new, eos_token_ids=[EOS], pad_token_id=0) as ref_engine:
         ref = ref_engine.generate_many(ps, params)
     t, out = generate_bg(engine, ps, params, tokens=5)
-    assert t.is_alive(), "the generation ended before the kill"
+    # under heavy CPU load the whole generation can end before the kill (seen in CI): the second
+    # branch below then checks the restart on the next request
     proc = engine.replicas[0].process
     os.killpg(proc.pid, signal.SIGKILL)
     t.join(600)

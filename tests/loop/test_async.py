@@ -162,6 +162,61 @@ def test_finish_samples_every_response_under_one_version(tmp_path, policy, place
         assert sum(h["time/drain"] for h in steps) > 0
 
 
+def test_finish_gives_up_waiting_after_finish_timeout_s(tmp_path):
+    """With a wait far shorter than a response, the update stops waiting: the run goes on, the
+    timeouts are counted, and the responses caught in flight span two versions, as with
+    `continue`."""
+    log: list[frozenset] = []
+    cfg = {
+        **SMALL,
+        "run": {**SMALL["run"], "steps": 4},
+        "rollout": {**SMALL["rollout"], "max_new_tokens": 96},
+        "loop": {
+            "mode": "async",
+            "max_staleness": 1,
+            "on_weight_update": "finish",
+            "finish_timeout_s": 0.001,
+        },
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"], rollout=_version_sets(log))
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 4 and max(h["staleness/max"] for h in steps) <= 1
+    assert sum(h["async/drain_timeouts"] for h in steps) >= 1
+    assert max(len(v) for v in log) == 2
+
+
+def test_a_colocated_hold_that_times_out_pauses_and_the_swap_does_not_drain_again(monkeypatch):
+    """Colocated, `finish` with a timeout: the trainer must not train beside a decoding engine, so
+    a drain that gave up pauses the engine; the push that follows the training neither drains a
+    paused engine (refused) nor leaves it held."""
+    from weir.loop import async_loop
+
+    class Engine:
+        def __init__(self, done: bool) -> None:
+            self.done, self.calls = done, []
+
+        def drain_sync(self, timeout):
+            self.calls.append(("drain", timeout))
+            return self.done
+
+        def pause_sync(self):
+            self.calls.append(("pause",))
+
+        def resume_sync(self):
+            self.calls.append(("resume",))
+
+    monkeypatch.setattr(async_loop, "push_weights", lambda parts, v: {"sync/version": float(v)})
+    for done in (False, True):
+        engine = Engine(done)
+        held = async_loop.hold_engine(engine, "finish", 0.5)
+        assert held["async/drain_timeouts"] == float(not done)
+        parts = type("Parts", (), {"engine": engine})()
+        pushed = async_loop.swap_weights(parts, 3, "finish", 0.5, held=True)
+        assert pushed == {"sync/version": 3.0}
+        paused = [("pause",)] if not done else []
+        assert engine.calls == [("drain", 0.5), *paused, ("resume",)]
+
+
 def test_kv_on_update_keep_is_refused_for_server_engines():
     with pytest.raises(ValueError, match="engine.kv_on_update=recompute"):
         load_config(None, ["engine.type=vllm", "engine.kv_on_update=keep"])

@@ -417,6 +417,10 @@ class LoopConfig(Section):
     under the weights they started with: the update waits until they are done, admitting nothing
     new meanwhile, so every response is one version's and no KV is rebuilt (best with
     loop.max_staleness=1, where the trainer needs those responses next anyway). See docs/async.md."""
+    finish_timeout_s: float | None = Field(None, gt=0)
+    """With on_weight_update=finish: the longest an update waits for the responses in flight. Those
+    still running then go on under the new weights as with `continue` (engine.kv_on_update says
+    what happens to their KV) and `async/drain_timeouts` counts it. null: wait as long as they run."""
     engine_threads: int | None = Field(1, ge=1)
     """Async: torch intra-op threads of the engine thread."""
     trainer_threads: int | None = Field(1, ge=1)

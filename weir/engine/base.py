@@ -104,7 +104,8 @@ class Engine(Protocol):
     between decode steps and sets ``version``; ``pause`` stops decoding between steps (requests in
     flight keep their state), ``resume`` continues it, ``abort`` ends every request in flight now with
     finish_reason "abort", ``drain`` lets the requests in flight finish while new ones wait (until
-    ``resume``) and returns once none is in flight.
+    ``resume``) and returns True once none is in flight, or False when `timeout` seconds passed
+    first (those still running keep running; new ones still wait for ``resume``).
     """
 
     version: int
@@ -121,7 +122,7 @@ class Engine(Protocol):
 
     async def abort(self) -> None: ...
 
-    async def drain(self) -> None: ...
+    async def drain(self, timeout: float | None = None) -> bool: ...
 
 
 class SyncControl:
@@ -139,5 +140,5 @@ class SyncControl:
     async def abort(self) -> None:
         await asyncio.to_thread(self.abort_sync)
 
-    async def drain(self) -> None:
-        await asyncio.to_thread(self.drain_sync)
+    async def drain(self, timeout: float | None = None) -> bool:
+        return await asyncio.to_thread(self.drain_sync, timeout)

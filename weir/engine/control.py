@@ -9,6 +9,7 @@ concurrent future's done-callback).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -74,12 +75,15 @@ class Control:
             self._paused = self._holding = False
             self._cond.notify_all()
 
-    def drain_sync(self) -> None:
-        """Let the requests running now finish, admitting none of those waiting; return once none
-        runs. Requests submitted meanwhile wait for `resume_sync`.
+    def drain_sync(self, timeout: float | None = None) -> bool:
+        """Let the requests running now finish, admitting none of those waiting; return True once
+        none runs, False if `timeout` seconds pass first (the rest keep decoding). Requests
+        submitted meanwhile wait for `resume_sync`.
 
-        A weight update made between the two reaches no response in flight: every response is
-        sampled under one weight version (``loop.on_weight_update=finish``)."""
+        A weight update made between a drain that returned True and `resume_sync` reaches no
+        response in flight: every response is sampled under one weight version
+        (``loop.on_weight_update=finish``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._check_not_engine_thread()
         with self._mu:
             if self._paused or self._asleep:
@@ -89,7 +93,11 @@ class Control:
             pass
         with self._mu:
             while self._batch.n and not self._closed:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
 
     def abort_sync(self) -> None:
         """End every request in flight or waiting now: finish_reason "abort", the tokens so far kept."""

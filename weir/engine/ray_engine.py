@@ -84,8 +84,8 @@ class EngineWorker:
     async def abort(self) -> None:
         await self.engine.abort()
 
-    async def drain(self) -> None:
-        await self.engine.drain()
+    async def drain(self, timeout: float | None = None) -> bool:
+        return await self.engine.drain(timeout)
 
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()

@@ -13,6 +13,7 @@ means the same step whichever role produced it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -111,9 +112,14 @@ class RoleRouter(SyncControl):
         for e in self.engines.values():
             e.abort_sync()
 
-    def drain_sync(self) -> None:
+    def drain_sync(self, timeout: float | None = None) -> bool:
+        """Drain every role's engine, all within `timeout` seconds together."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
         for e in self.engines.values():
-            e.drain_sync()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = e.drain_sync(left) and done
+        return done
 
     def close(self) -> None:
         for e in self.engines.values():

@@ -195,9 +195,11 @@ class Router(SyncControl):
     def abort_sync(self) -> None:
         self._each("abort")
 
-    def drain_sync(self) -> None:
-        """Every replica lets its requests in flight finish, admitting none until `resume_sync`."""
-        self._each("drain")
+    def drain_sync(self, timeout: float | None = None) -> bool:
+        """Every replica lets its requests in flight finish, admitting none until `resume_sync`;
+        True once none runs anywhere, False if one still had some after `timeout` seconds (the
+        replicas wait at the same time)."""
+        return all(self._each("drain", timeout))
 
     def sleep_sync(self, offload_weights: bool = False) -> None:
         """Every replica frees its KV cache (and with `offload_weights` parks its weights in host

@@ -232,8 +232,8 @@ class ServerEngine(Recovery):
     async def abort(self) -> None:
         await self._in_loop(self._abort())
 
-    async def drain(self) -> None:
-        await self._in_loop(self._drain())
+    async def drain(self, timeout: float | None = None) -> bool:
+        return await self._in_loop(self._drain(timeout))
 
     def update_weights_sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         path = self._write(named, version)
@@ -248,10 +248,11 @@ class ServerEngine(Recovery):
     def abort_sync(self) -> None:
         self._call(self._abort())
 
-    def drain_sync(self) -> None:
+    def drain_sync(self, timeout: float | None = None) -> bool:
         """Let the requests in flight finish, starting none of those that arrive meanwhile (they
-        wait for `resume_sync`); returns once none is in flight."""
-        self._call(self._drain())
+        wait for `resume_sync`); returns True once none is in flight, False if `timeout` seconds
+        pass first (the rest keep running)."""
+        return self._call(self._drain(timeout))
 
     def sleep_sync(self) -> None:
         """Pause and release the servers' memory (weights and KV cache) until `wake_sync`."""
@@ -495,11 +496,15 @@ class ServerEngine(Recovery):
         if not self.sleeping:
             self._running.set()
 
-    async def _drain(self) -> None:
+    async def _drain(self, timeout: float | None = None) -> bool:
         if not self._running.is_set():
             raise RuntimeError("drain: the engine is paused or asleep; resume or wake it first")
         self._admitting.clear()
-        await self._none_running.wait()
+        try:
+            await asyncio.wait_for(self._none_running.wait(), timeout)
+        except asyncio.TimeoutError:  # noqa: UP041 (Python 3.10: not the builtin)
+            return False
+        return True
 
     async def _abort(self) -> None:
         self._epoch += 1

@@ -42,7 +42,7 @@ def run_async(
         torch.set_num_threads(cfg.loop.trainer_threads)
     buffer = StalenessBuffer(cfg.rollout.batch_prompts, cfg.loop.max_staleness)
     # admission reads the engine's version: it changes only once the new weights are in the engine
-    policy = cfg.loop.on_weight_update
+    policy, finish_timeout = cfg.loop.on_weight_update, cfg.loop.finish_timeout_s
     producer = RolloutProducer(
         parts.ctx,
         parts.rollout_fn,
@@ -82,10 +82,10 @@ def run_async(
             if batch is None:
                 run.log(step, gen, {"train/empty_steps": 1.0})
                 continue
-            held = hold_engine(parts.engine, policy) if colocated else {}
+            held = hold_engine(parts.engine, policy, finish_timeout) if colocated else {}
             with engine_asleep(cfg, parts.engine, parts.model, when=colocated):
                 stats = parts.trainer.train(batch, critic=parts.critic)
-            sync = swap_weights(parts, run.bump_version(), policy)
+            sync = swap_weights(parts, run.bump_version(), policy, finish_timeout, held=colocated)
             if colocated:
                 parts.engine.resume_sync()
             evals = eval_metrics(parts) if run.should_eval(step) else {}
@@ -123,24 +123,36 @@ def next_batch(buffer: StalenessBuffer, producer: RolloutProducer, version: int)
         return None
 
 
-def hold_engine(engine, policy: str) -> dict[str, float]:
+def hold_engine(engine, policy: str, timeout: float | None = None) -> dict[str, float]:
     """Colocated: stop the engine for the trainer between decode steps; with `finish`, once the
-    responses in flight have ended under the weights they started with."""
+    responses in flight have ended under the weights they started with (or `timeout` passed)."""
     if policy == "finish":
-        return drain(engine)
+        drained = drain(engine, timeout)
+        if drained["async/drain_timeouts"]:
+            engine.pause_sync()  # the rest wait, paused, and go on under the new weights
+        return drained
     engine.pause_sync()
     return {}
 
 
-def swap_weights(parts: Components, version: int, policy: str) -> dict[str, float]:
+def swap_weights(
+    parts: Components,
+    version: int,
+    policy: str,
+    timeout: float | None = None,
+    *,
+    held: bool = False,
+) -> dict[str, float]:
     """Push new weights between decode steps (`loop.on_weight_update`): with `abort`, responses in
     flight end first and the producer regenerates them under the new weights; with `finish`, they
-    end under the old weights first, the engine admitting nothing new until the new weights are in."""
+    end under the old weights first (those still running after `timeout` seconds go on under the
+    new ones), the engine admitting nothing new until the new weights are in. `held`: `hold_engine`
+    already drained (or paused) it."""
     if policy not in ("abort", "finish"):
         return push_weights(parts, version)
     try:
         if policy == "finish":
-            drained = drain(parts.engine)
+            drained = {} if held else drain(parts.engine, timeout)
             return {**push_weights(parts, version), **drained}
         parts.engine.pause_sync()
         parts.engine.abort_sync()
@@ -149,12 +161,13 @@ def swap_weights(parts: Components, version: int, policy: str) -> dict[str, floa
         parts.engine.resume_sync()
 
 
-def drain(engine) -> dict[str, float]:
-    """Wait for the engine's responses in flight to end, holding new ones (`time/drain`)."""
+def drain(engine, timeout: float | None = None) -> dict[str, float]:
+    """Wait for the engine's responses in flight to end, holding new ones, at most `timeout`
+    seconds (`time/drain`; `async/drain_timeouts`: 1 when some were still running then)."""
     start = time.perf_counter()
     with span("drain", cat="idle"):
-        engine.drain_sync()
-    return {"time/drain": time.perf_counter() - start}
+        done = engine.drain_sync(timeout)
+    return {"time/drain": time.perf_counter() - start, "async/drain_timeouts": float(not done)}
 
 
 class EngineLoad:
