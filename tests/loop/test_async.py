@@ -130,6 +130,23 @@ def _version_sets(log: list):
     return fn
 
 
+def _four_async_steps(tmp_path, max_new_tokens: int, **loop) -> tuple[list[dict], list[frozenset]]:
+    """Four async steps of `max_new_tokens`-token responses under `max_staleness: 1` and `loop`;
+    the steps' metrics (checked: four, none more than one version stale) and the version sets of
+    every response (`_version_sets`)."""
+    log: list[frozenset] = []
+    cfg = {
+        **SMALL,
+        "run": {**SMALL["run"], "steps": 4},
+        "rollout": {**SMALL["rollout"], "max_new_tokens": max_new_tokens},
+        "loop": {"mode": "async", "max_staleness": 1, **loop},
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"], rollout=_version_sets(log))
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 4 and max(h["staleness/max"] for h in steps) <= 1
+    return steps, log
+
+
 @pytest.mark.parametrize(
     "policy, placement",
     [("continue", "disaggregated"), ("finish", "disaggregated"), ("finish", "colocated")],
@@ -138,21 +155,7 @@ def test_finish_samples_every_response_under_one_version(tmp_path, policy, place
     """48-token responses, the next batch generating while the trainer trains: with `continue` some
     response spans a weight update; with `finish` every one is one version's, the update waiting
     for it (time/drain) and no KV rebuilt."""
-    log: list[frozenset] = []
-    cfg = {
-        **SMALL,
-        "run": {**SMALL["run"], "steps": 4},
-        "rollout": {**SMALL["rollout"], "max_new_tokens": 48},
-        "loop": {
-            "mode": "async",
-            "max_staleness": 1,
-            "on_weight_update": policy,
-            "placement": placement,
-        },
-    }
-    result = weir.run(cfg, [f"run.dir={tmp_path}"], rollout=_version_sets(log))
-    steps = [h for h in result.history if "reward/mean" in h]
-    assert len(steps) == 4 and max(h["staleness/max"] for h in steps) <= 1
+    steps, log = _four_async_steps(tmp_path, 48, on_weight_update=policy, placement=placement)
     spans = max(len(v) for v in log)
     if policy == "continue":
         assert spans == 2
@@ -166,21 +169,7 @@ def test_finish_gives_up_waiting_after_finish_timeout_s(tmp_path):
     """With a wait far shorter than a response, the update stops waiting: the run goes on, the
     timeouts are counted, and the responses caught in flight span two versions, as with
     `continue`."""
-    log: list[frozenset] = []
-    cfg = {
-        **SMALL,
-        "run": {**SMALL["run"], "steps": 4},
-        "rollout": {**SMALL["rollout"], "max_new_tokens": 96},
-        "loop": {
-            "mode": "async",
-            "max_staleness": 1,
-            "on_weight_update": "finish",
-            "finish_timeout_s": 0.001,
-        },
-    }
-    result = weir.run(cfg, [f"run.dir={tmp_path}"], rollout=_version_sets(log))
-    steps = [h for h in result.history if "reward/mean" in h]
-    assert len(steps) == 4 and max(h["staleness/max"] for h in steps) <= 1
+    steps, log = _four_async_steps(tmp_path, 96, on_weight_update="finish", finish_timeout_s=0.001)
     assert sum(h["async/drain_timeouts"] for h in steps) >= 1
     assert max(len(v) for v in log) == 2
 

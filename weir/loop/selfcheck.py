@@ -28,7 +28,7 @@ from weir.engine.support import SUPPORTED, UnsupportedModel, model_support
 from weir.train.packing import choose_layout, packed_response_logprobs, response_logprobs
 from weir.train.precision import compute_device, rounding_tolerance
 
-__all__ = ["SelfCheckResult", "check_packing", "probe_length", "run_selfcheck", "tolerance"]
+__all__ = ["SelfCheckResult", "check_packing", "probe_length", "run_selfcheck"]
 
 NEW_TOKENS = 8
 MIN_PROBE = 24
@@ -44,13 +44,6 @@ class SelfCheckResult:
     """The packing mode the run trains with after the check."""
     probe_len: int
     seconds: float
-
-
-def tolerance(dtype: torch.dtype, device: torch.device | None = None) -> float:
-    """Largest mean log-prob difference accepted as rounding (`rounding_tolerance`): 1e-4 nats in
-    exact float32, 2e-2 in bfloat16 or under CUDA's TF32 matmuls (a missing sliding window moved
-    the tiny models of docs/models.md by 0.17-0.46 nats per token)."""
-    return rounding_tolerance(dtype, device)
 
 
 def _probe_tokens(vocab: int, n: int, avoid: set[int], seed: int) -> list[int]:
@@ -76,8 +69,7 @@ def check_packing(
         return None
     arch = str(getattr(model.config, "model_type", "?"))
     name = SUPPORTED[arch].name if arch in SUPPORTED else arch
-    p = next(model.parameters())
-    tol = tolerance(p.dtype, compute_device(model))
+    tol = rounding_tolerance(next(model.parameters()).dtype, compute_device(model))
     a = _probe_tokens(vocab_size, probe_len, avoid, seed=1)
     b = _probe_tokens(vocab_size, max(2, probe_len // 2), avoid, seed=2)
     seqs, lens = [b, a], [len(b) - 1, len(a) - 1]
@@ -119,11 +111,11 @@ def run_selfcheck(model: torch.nn.Module, engine: Any, train_cfg: Any) -> SelfCh
     set ``train_cfg.packing`` to "padded" when packing must be avoided. Raises `UnsupportedModel`."""
     t0 = time.perf_counter()
     support = model_support(model.config)
-    p = next(model.parameters())
+    p, device = next(model.parameters()), compute_device(model)
     # the loosest precision in play: master weights, the trainer's compute dtype, the engine's
-    compute = resolve_dtype(getattr(train_cfg, "compute_dtype", None), p.device)
+    compute = resolve_dtype(getattr(train_cfg, "compute_dtype", None), device)
     engine_dtype = next(engine.model.parameters()).dtype
-    tol = max(tolerance(d, p.device) for d in (p.dtype, compute, engine_dtype))
+    tol = max(rounding_tolerance(d, device) for d in (p.dtype, compute, engine_dtype))
     probe_len = probe_length(model, engine.max_seq_len)
     avoid = set(engine.eos_token_ids) | {engine.pad_token_id}
     packed_err = check_packing(model, train_cfg, engine.vocab_size, avoid, probe_len)
