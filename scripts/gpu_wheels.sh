@@ -35,4 +35,28 @@ if [ "${GPU_WHEELS_RAY:-1}" != 0 ]; then
     echo "gpu_wheels: ray is not installed in $PY; skipped" >&2
   fi
 fi
-ls "$DIR"
+# A machine that receives at most so much per transfer (64 MiB on the tool this kit was first run
+# with) gets the wheels in several: a wheel larger than GPU_WHEELS_PART_MB (default 40) is cut into
+# parts, part k in DIR.part<k>/ with its SHA-256, and gpu_check.sh joins and checks them. Carry DIR in
+# one transfer and each DIR.part<k> in its own, to the same checkout; GPU_WHEELS_PART_MB=0 cuts none.
+PART_MB=${GPU_WHEELS_PART_MB:-40}
+rm -rf "$DIR".part*
+if [ "$PART_MB" != 0 ]; then
+  for whl in "$DIR"/*.whl; do
+    size=$(stat -c %s "$whl")
+    [ "$size" -gt $((PART_MB * 1024 * 1024)) ] || continue
+    name=$(basename "$whl")
+    tmp=$(mktemp -d)
+    split -b "${PART_MB}M" -d -a 2 "$whl" "$tmp/$name.part-"
+    k=1
+    for part in "$tmp"/*; do
+      mkdir -p "$DIR.part$k"
+      mv "$part" "$DIR.part$k/"
+      k=$((k + 1))
+    done
+    sha256sum "$whl" | awk '{print $1}' >"$DIR.part1/$name.sha256"
+    rm -rf "$tmp" "$whl"
+    echo "gpu_wheels: $name ($((size / 1024 / 1024)) MiB) cut into $((k - 1)) parts in $DIR.part1..$((k - 1))"
+  done
+fi
+ls "$DIR" "$DIR".part* 2>/dev/null
