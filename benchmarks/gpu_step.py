@@ -18,6 +18,7 @@ weights with bfloat16 compute, a bfloat16 engine:
     python benchmarks/gpu_step.py --quick                # 32 prompts x 8 x 128: a smoke run
     python benchmarks/gpu_step.py --grpo-steps 20 --ray  # plus the loop, locally and on Ray
     python benchmarks/gpu_step.py --quick --compare-cudnn # engine with cuDNN attention off vs on
+    python benchmarks/gpu_step.py --quick --compare-graphs # engine with CUDA graphs off vs on
     python benchmarks/gpu_step.py --device cpu --shapes tiny --quick   # code path check, no GPU
 
 Writes a JSON of every figure to --out (default gpu_step.json) and prints a table.
@@ -92,7 +93,7 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(10, vocab, (n, length), generator=g).tolist()
 
 
-def engine_decode(model, device, batch, n, new_tokens, max_rows):
+def engine_decode(model, device, batch, n, new_tokens, max_rows, cuda_graphs=True):
     """Decode with weir's engine in bf16; returns (completions, figures)."""
     import copy
 
@@ -103,7 +104,12 @@ def engine_decode(model, device, batch, n, new_tokens, max_rows):
     reset_peak(device)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens, seed=1)
     with TorchEngine(
-        engine_model, eos_token_ids=[0], pad_token_id=0, max_batch_size=max_rows, seed=0
+        engine_model,
+        eos_token_ids=[0],
+        pad_token_id=0,
+        max_batch_size=max_rows,
+        seed=0,
+        cuda_graphs=cuda_graphs,
     ) as engine:
         engine.generate_many(batch[:2], SamplingParams(n=1, max_new_tokens=4))  # warm-up
         sync(device)
@@ -115,6 +121,7 @@ def engine_decode(model, device, batch, n, new_tokens, max_rows):
         engine.update_weights_sync(model.named_parameters(), version=1)  # fp32 -> bf16 cast
         sync(device)
         sync_s = time.perf_counter() - t1
+        stats = engine.stats()
     tokens = sum(len(c.token_ids) for comps in out for c in comps)
     figures = {
         "engine_tokens": tokens,
@@ -122,6 +129,9 @@ def engine_decode(model, device, batch, n, new_tokens, max_rows):
         "engine_tok_s": tokens / wall,
         "engine_peak_gb": peak_gb(device),
         "weight_sync_s": sync_s,
+        "decode_steps": stats["decode_steps"],
+        "decode_graphs": stats["decode_graphs"],
+        "decode_fixed_shape": stats["decode_fixed_shape"],
     }
     del engine_model
     return out, figures
@@ -142,6 +152,29 @@ def cudnn_comparison(model, device, batch, args) -> dict[str, Any]:
     set_cudnn_attention(device, args.cudnn_attention)
     best = {k: max(v) for k, v in runs.items()}
     return {"cudnn_comparison": {**runs, "off_over_on": best["off"] / best["on"]}}
+
+
+def graphs_comparison(model, device, batch, args) -> dict[str, Any]:
+    """Engine decode tokens/s with CUDA graphs off and on (engine.cuda_graphs), alternating, twice
+    each; with whether the graphs stayed on (their first step is checked against the eager one)."""
+    runs: dict[str, list[float]] = {"eager": [], "graphs": []}
+    kept = []
+    for _ in range(2):
+        for mode in ("eager", "graphs"):
+            _, figures = engine_decode(
+                model, device, batch, args.n, args.new_tokens, args.max_rows, mode == "graphs"
+            )
+            runs[mode].append(figures["engine_tok_s"])
+            if mode == "graphs":
+                kept.append((figures["decode_fixed_shape"], figures["decode_graphs"]))
+    best = {k: max(v) for k, v in runs.items()}
+    return {
+        "graphs_comparison": {
+            **runs,
+            "kept_and_captured": kept,
+            "graphs_over_eager": best["graphs"] / best["eager"],
+        }
+    }
 
 
 def hf_generate(model, device, batch, n, new_tokens, rows_per_call):
@@ -352,6 +385,11 @@ def main() -> None:
         action="store_true",
         help="also time the engine with cuDNN attention the other way, alternating",
     )
+    ap.add_argument(
+        "--compare-graphs",
+        action="store_true",
+        help="also time the engine with CUDA graphs off and on (engine.cuda_graphs), alternating",
+    )
     ap.add_argument("--out", default="gpu_step.json")
     args = ap.parse_args()
     if args.quick:
@@ -379,6 +417,9 @@ def main() -> None:
         )
         tr = train_step(model, device, batch, comps, args)
         row = {**eng, **hf, **tr, "engine_vs_hf": eng["engine_tok_s"] / hf["hf_tok_s"]}
+        if args.compare_graphs:
+            row.update(graphs_comparison(model, device, batch, args))
+            print(f"{shape}: CUDA graphs", row["graphs_comparison"], flush=True)
         if args.compare_cudnn:
             row.update(cudnn_comparison(model, device, batch, args))
             print(f"{shape}: cuDNN attention", row["cudnn_comparison"], flush=True)

@@ -77,7 +77,7 @@ done
 if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   quick=(--quick)
   [ "${GPU_CHECK_QUICK:-1}" = 0 ] && quick=()
-  "$PY" benchmarks/gpu_step.py "${quick[@]}" --compare-cudnn --grpo-steps "${GPU_CHECK_GRPO_STEPS:-20}" --ray \
+  "$PY" benchmarks/gpu_step.py "${quick[@]}" --compare-cudnn --compare-graphs --grpo-steps "${GPU_CHECK_GRPO_STEPS:-20}" --ray \
     --out "$OUTDIR/gpu_step.json" 2>&1 | tee "$OUTDIR/gpu_step.log" || status=1
 fi
 # vLLM, when this machine's Python (or $WEIR_VLLM_PYTHON) has it: the vLLM engine's tests and its

@@ -20,7 +20,10 @@ def test_direct_decode_on_cuda_matches_the_hf_forward(tiny_model_dir, dtype):
     params = SamplingParams(n=4, max_new_tokens=32, temperature=1.0, seed=3)
     out, used = {}, {}
     for direct in (True, False):
-        with TorchEngine(model, eos_token_ids=[1], pad_token_id=0, direct_decode=direct) as e:
+        # CUDA graphs off: their whole-width attention differs by rounding (test_cuda_graphs_gpu)
+        with TorchEngine(
+            model, eos_token_ids=[1], pad_token_id=0, direct_decode=direct, cuda_graphs=False
+        ) as e:
             out[direct] = e.generate_many(prompts, params)
             used[direct] = e.stats()["decode_direct"]
     assert used[False] == 0.0

@@ -324,6 +324,11 @@ class EngineConfig(Section):
     episodes of one prompt, a system message every prompt opens with; and the rows whose KV is
     rebuilt after a weight update), when that saves at least 15% of the prefill's tokens. Off:
     every sequence is prefilled whole (its numbers then differ only by rounding)."""
+    cuda_graphs: bool = True
+    """Built-in engine on a CUDA device, Llama-family models: replay each decode step as a CUDA
+    graph (one launch instead of some 10-20 kernels per layer; rows padded to powers of two, the
+    attention over the KV slabs' whole width). Checked against the eager step on its first use
+    (rounding only, else eager from then on); see docs/gpu.md. No effect on a CPU."""
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     """Built-in engine, responses in flight across a weight update (async): `recompute` their KV
     cache under the new weights (one batched prefill of each row's context), so every later token

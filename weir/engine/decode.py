@@ -32,6 +32,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from weir.engine.graphs import rounding_bound
 from weir.engine.masks import layer_masks
 
 __all__ = ["DecodeForward", "Decoding"]
@@ -101,7 +102,7 @@ class DecodeForward:
         base = model.model
         cfg = model.config
         self._embed = base.embed_tokens
-        self._rotary = base.rotary_emb
+        self.rotary = base.rotary_emb  # public: weir.engine.graphs reads its rope type
         self._norm = _Norm(base.norm)
         self._lm_head = model.lm_head
         # The attention function the model's own attention layers look up (its family's eager
@@ -206,13 +207,25 @@ class DecodeForward:
         `pos`, attending to the KV slabs of `cache` (whose columns it extends, as the HF forward
         does through ``past_key_values.update``) under `masks` (one per mask key, as `layer_masks`
         builds them). The cache geometry's ``length`` is left to the caller."""
+        layers = cache.layers
+        return self.run(ids, masks, pos, lambda idx, k, v: layers[idx].update(k, v))
+
+    def run(
+        self,
+        ids: torch.Tensor,
+        masks: torch.Tensor | dict[str, torch.Tensor],
+        pos: torch.Tensor,
+        kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """`__call__` with the KV write given as ``kv(layer_idx, keys, values)``, which stores the
+        new columns and returns the keys and values to attend to (`weir.engine.graphs` writes at a
+        column held in a tensor and attends to whole slabs, so that the step has fixed shapes)."""
         attention = self._attention
         by_key = masks if isinstance(masks, dict) else {"": masks}
         x = F.embedding(ids, self._embed.weight, self._embed.padding_idx)
-        cos, sin = self._rotary(x, pos)
+        cos, sin = self.rotary(x, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         input_shape = x.shape[:-1]
-        layers = cache.layers
         for lay in self._layers:
             residual = x
             h = lay.ln1(x)
@@ -228,7 +241,7 @@ class DecodeForward:
             qk = (qk * cos) + (_rotate_half(qk) * sin)
             heads = q.shape[-2]
             q, k = qk[:, :heads], qk[:, heads:]
-            keys, values = layers[lay.idx].update(k, v)
+            keys, values = kv(lay.idx, k, v)
             out, _ = attention(
                 lay.attn,
                 q,
@@ -317,6 +330,33 @@ class Decoding:
             )
         return logits
 
+    def _fixed_shape_forward(self, b: Any) -> torch.Tensor:
+        """`_decode_forward` through `weir.engine.graphs.StaticDecode` (CUDA graphs). Its first
+        step is checked against the eager direct forward: log-probs within rounding
+        (`rounding_bound`), else a warning and the eager forward from then on."""
+        logits = self._static(b)
+        if not self._static_checked:
+            mask = self._col[: b.geo.length + 1].unsqueeze(0) >= b.start.unsqueeze(1)
+            masks = layer_masks(
+                mask[:, None, None, :], self._support, self._dtype if self._eager else None
+            )
+            # rewrites the KV column just written, with the eager step's values
+            ref = self._direct(b.tok.unsqueeze(1), masks, b.pos.unsqueeze(1), b.cache)
+            err = (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max().item()
+            if err <= rounding_bound(self._dtype, self._device):
+                self._static_checked = True
+            else:
+                self._static = None
+                log.warning(
+                    "weir engine: the fixed-shape (CUDA graph) decode step differs from the eager "
+                    "one by %.3g in log-prob on %s; decoding eagerly instead",
+                    err,
+                    type(self.model).__name__,
+                )
+            logits = ref
+        b.cache.geo.length += 1
+        return logits
+
     def _decode_step(self) -> None:
         b = self._batch
         geo = b.geo
@@ -328,10 +368,13 @@ class Decoding:
                 b._move_live(geo.length, b.remaining())
             else:
                 b._realloc_cache(b.n, geo.length, max(b.remaining(), 16), b.cache)
-        mask = self._col[: b.geo.length + 1].unsqueeze(0) >= b.start.unsqueeze(1)
-        logits = self._decode_forward(
-            b.tok.unsqueeze(1), mask[:, None, None, :], b.pos.unsqueeze(1), b.cache
-        )
+        if self._static is not None and self._direct_checked:
+            logits = self._fixed_shape_forward(b)
+        else:
+            mask = self._col[: b.geo.length + 1].unsqueeze(0) >= b.start.unsqueeze(1)
+            logits = self._decode_forward(
+                b.tok.unsqueeze(1), mask[:, None, None, :], b.pos.unsqueeze(1), b.cache
+            )
         b.pos += 1
         self._sample_and_record(b, logits)
         self._stats["decode_steps"] += 1

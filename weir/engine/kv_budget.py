@@ -266,4 +266,5 @@ def kv_options(engine_cfg) -> dict:
         "prefix_cache": engine_cfg.prefix_cache,
         "share_prefixes": engine_cfg.share_prefixes,
         "recompute_kv_on_update": engine_cfg.kv_on_update == "recompute",
+        "cuda_graphs": engine_cfg.cuda_graphs,
     }

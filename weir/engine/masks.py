@@ -16,7 +16,7 @@ import torch
 
 from weir.engine.support import ModelSupport
 
-__all__ = ["layer_masks"]
+__all__ = ["additive", "layer_masks"]
 
 
 def _windowed(mask: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _windowed(mask: torch.Tensor, window: int | None) -> torch.Tensor:
     return mask & ((qcol[:, None] - kcol[None, :]) < window)
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where attended, the dtype's lowest value elsewhere (eager attention adds the mask)."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         ~mask, torch.finfo(dtype).min
@@ -51,6 +51,6 @@ def layer_masks(
     for key, window in support.windows.items():
         if window not in by_window:
             m = _windowed(mask, window)
-            by_window[window] = _additive(m, additive_dtype) if additive_dtype else m
+            by_window[window] = additive(m, additive_dtype) if additive_dtype else m
         out[key] = by_window[window]
     return out if support.per_layer_type else out[""]

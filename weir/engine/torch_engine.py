@@ -92,6 +92,7 @@ from weir.engine.admission import Admission
 from weir.engine.base import Completion, SamplingParams, SyncControl
 from weir.engine.control import Control
 from weir.engine.decode import DecodeForward, Decoding
+from weir.engine.graphs import static_decode
 from weir.engine.kv_budget import (
     KVMeter,
     KVState,
@@ -167,6 +168,9 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             operations as the HF forward without its module machinery; Llama-family models only,
             checked bit for bit against the HF forward on the first decode step). False: always
             the HF forward.
+        cuda_graphs: on CUDA, replay decode steps of the direct forward as CUDA graphs
+            (`weir.engine.graphs`; checked against the eager step on first use). ``"eager"`` runs
+            the same fixed-shape step without capture, on any device (tests, debugging).
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         prefix_cache_entries: int | None = None,
         share_prefixes: bool = True,
         direct_decode: bool = True,
+        cuda_graphs: bool | str = True,
     ):
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -240,6 +245,10 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             else None
         )
         self._direct_checked = False
+        self._static = static_decode(
+            self._direct, model, self._support, self._dtype if self._eager else None, cuda_graphs
+        )
+        self._static_checked = False
         self._last_busy = time.monotonic()
         self._asleep = False
         self._offloaded: OffloadedWeights | None = None
@@ -371,12 +380,16 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         prefilled again to rebuild KV after a weight update; ``shared_prefix_tokens``: those not
         prefilled because a prefix shared by the sequences of one prefill was computed once),
         decode steps, busy seconds;
-        ``decode_direct`` is 1 while decode steps run through `weir.engine.decode.DecodeForward`."""
+        ``decode_direct`` is 1 while decode steps run through `weir.engine.decode.DecodeForward`;
+        ``decode_fixed_shape`` 1 while they run as fixed-shape steps (`weir.engine.graphs`),
+        ``decode_graphs`` the CUDA graphs captured for them."""
         with self._mu:
             out = dict(self._stats)
             out["running_rows"] = self._batch.n
             out["waiting_requests"] = len(self._pending)
             out["decode_direct"] = float(self._direct is not None)
+            out["decode_graphs"] = float(self._static.captured if self._static else 0)
+            out["decode_fixed_shape"] = float(self._static is not None)
         out.update(self.kv_stats())
         out.update(self.prefix_stats())
         return out
