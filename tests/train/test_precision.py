@@ -130,7 +130,7 @@ def test_offloaded_adamw_matches_adamw_and_keeps_its_state_on_the_host(tiny_mode
 def test_rounding_tolerance_treats_tf32_matmuls_as_reduced_precision():
     """On CUDA with TF32 on, float32 matmuls keep 10 mantissa bits: a packed-vs-alone difference
     of 4e-4 nats (measured on an H100, 0.5B shape) is rounding there, not a mask error."""
-    from weir.train.precision import rounding_tolerance
+    from weir.config.devices import rounding_tolerance
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     matmul = torch.backends.cuda.matmul

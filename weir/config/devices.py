@@ -79,3 +79,18 @@ def enable_tf32(device: torch.device, *, deterministic: bool) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     return True
+
+
+def rounding_tolerance(dtype: torch.dtype, device: torch.device | None = None) -> float:
+    """Largest mean log-prob difference (nats per token) accepted as rounding between two exact
+    ways of computing one forward (packed vs alone, prefix vs padded, engine vs trainer).
+
+    1e-4 in float32; 2e-2 where the matmuls keep about 10 mantissa bits or fewer: bfloat16,
+    float16, and float32 on CUDA with TF32 matmuls on (`enable_tf32`). A wrong mask (a missing
+    sliding window, sequences not kept apart) moves log-probs by 0.17-0.46 nats per token on the
+    tiny models of docs/models.md, so both bounds still tell that apart.
+    """
+    if dtype != torch.float32:
+        return 2e-2
+    tf32 = device is not None and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return 2e-2 if tf32 else 1e-4

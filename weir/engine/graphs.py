@@ -23,7 +23,7 @@ weights (sleep with offload) or a model whose parameters were replaced drop them
 the whole width instead of the live columns changes the order of the sums in the attention kernels,
 so the logits differ from the eager step by rounding: the engine compares the two on the first
 fixed-shape step and decodes eagerly from then on if they differ by more than rounding
-(`rounding_bound`).
+(`weir.config.devices.rounding_tolerance`).
 
 Without CUDA (or with ``cuda_graphs="eager"``) the same fixed-shape step runs without capture; the
 tests use that to check it on a CPU against the eager engine.
@@ -41,7 +41,7 @@ from weir.engine.support import ModelSupport
 if TYPE_CHECKING:
     from weir.engine.decode import DecodeForward
 
-__all__ = ["StaticDecode", "rounding_bound", "row_bucket", "static_decode"]
+__all__ = ["StaticDecode", "row_bucket", "static_decode"]
 
 
 def row_bucket(rows: int, capacity: int) -> int:
@@ -51,14 +51,6 @@ def row_bucket(rows: int, capacity: int) -> int:
     while bucket < rows:
         bucket *= 2
     return min(bucket, capacity)
-
-
-def rounding_bound(dtype: torch.dtype, device: torch.device) -> float:
-    """The largest |log-prob difference| per token that rounding alone explains between two
-    summation orders: float32 (without TF32) 1e-4; bfloat16, float16 or TF32 matmuls 2e-2. A wrong
-    mask or a stale column moves log-probs by 0.1 and more."""
-    tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    return 1e-4 if dtype == torch.float32 and not tf32 else 2e-2
 
 
 def static_decode(

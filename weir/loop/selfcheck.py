@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from weir.config.devices import resolve_dtype
+from weir.config.devices import resolve_dtype, rounding_tolerance
 from weir.engine.base import SamplingParams
 from weir.engine.support import SUPPORTED, UnsupportedModel, model_support
 from weir.train.packing import choose_layout, packed_response_logprobs, response_logprobs
-from weir.train.precision import compute_device, rounding_tolerance
+from weir.train.precision import compute_device
 
 __all__ = ["SelfCheckResult", "check_packing", "probe_length", "run_selfcheck"]
 

@@ -38,9 +38,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from weir.algo import entropy_from_logits, logprobs_from_logits
+from weir.config.devices import rounding_tolerance
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
-from weir.train.precision import compute_device, rounding_tolerance
+from weir.train.precision import compute_device
 
 log = logging.getLogger(__name__)
 
@@ -607,7 +608,7 @@ def prefix_supported(
     two responses each (one token, and several) is run both ways without gradients, as the caller's
     forward runs (under its autocast, or FSDP's gathered shards); the mean log-prob difference must
     be within rounding of `compute_dtype` (default: the parameters' dtype), as
-    `weir.train.precision.rounding_tolerance` bounds it.
+    `weir.config.devices.rounding_tolerance` bounds it.
     """
     refused = prefix_refused_unprobed(model)
     if refused is not None:
