@@ -18,6 +18,7 @@ Workloads:
     python benchmarks/async_vs_sync.py --workload calculator --model runs/calc_sft/model
     python benchmarks/async_vs_sync.py --splits 1:1 1:2 2:1 --reward-latency 0.02
     python benchmarks/async_vs_sync.py --workload B --splits 1:1 --in-flight recompute keep finish
+    python benchmarks/async_vs_sync.py --workload calculator --splits 1:1 --engine thread process
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ def main() -> None:
         "per value): recompute their KV (the default), keep it (engine.kv_on_update=keep), or "
         "finish them under the old weights first (loop.on_weight_update=finish)",
     )
+    ap.add_argument(
+        "--engine",
+        nargs="+",
+        default=["thread"],
+        choices=["thread", "process"],
+        help="where the async runs' engine runs (each split runs once per value): a thread of the "
+        "trainer's process, or a child process (engine.process=true)",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument(
         "--model", help="warm-start model (default: SFT one now, if the workload has one)"
@@ -121,19 +130,22 @@ def main() -> None:
             e, t = split.split(":")
             for how in args.in_flight:
                 label, overrides = IN_FLIGHT[how]
-                modes.append(
-                    (
-                        f"async {e}+{t} thr{label}",
-                        [
-                            "loop.mode=async",
-                            f"loop.max_staleness={args.eta}",
-                            f"loop.engine_threads={e}",
-                            f"loop.trainer_threads={t}",
-                            f"model.threads={t}",
-                            *overrides,
-                        ],
+                for where in args.engine:
+                    modes.append(
+                        (
+                            f"async {e}+{t} thr{label}"
+                            + (", process" if where == "process" else ""),
+                            [
+                                "loop.mode=async",
+                                f"loop.max_staleness={args.eta}",
+                                f"loop.engine_threads={e}",
+                                f"loop.trainer_threads={t}",
+                                f"model.threads={t}",
+                                f"engine.process={where == 'process'}",
+                                *overrides,
+                            ],
+                        )
                     )
-                )
         reward = (
             functools.partial(slow_exact_match, latency=args.reward_latency)
             if args.reward_latency
@@ -158,14 +170,14 @@ def main() -> None:
         statistics.median(r[0] for r in results[name]) for name, _ in modes[:2]
     )  # the faster sync mode
     print(
-        f"{'mode':<26}{'samples/s':>10}{'range':>15}{'vs best sync':>14}{'reward':>8}{'train s':>9}"
+        f"{'mode':<36}{'samples/s':>10}{'range':>15}{'vs best sync':>14}{'reward':>8}{'train s':>9}"
     )
     for name, _ in modes:
         rs = results[name]
         sps = [r[0] for r in rs]
         med = statistics.median(sps)
         print(
-            f"{name:<26}{med:>10.2f}{f'{min(sps):.2f}-{max(sps):.2f}':>15}{med / base_sps:>14.2f}"
+            f"{name:<36}{med:>10.2f}{f'{min(sps):.2f}-{max(sps):.2f}':>15}{med / base_sps:>14.2f}"
             f"{statistics.median(r[1] for r in rs):>8.3f}{statistics.median(r[2] for r in rs):>9.2f}"
         )
 

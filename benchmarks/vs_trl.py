@@ -71,7 +71,8 @@ N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
-TARGETS = {"sync": 2.0, "async": 3.0, "async-keep": 3.0, "async-finish": 3.0}
+MODES = ["sync", "async", "async-keep", "async-finish", "async-process", "async-finish-process"]
+TARGETS = {m: 2.0 if m == "sync" else 3.0 for m in MODES}
 END_OF_TURN = "<|end|>"
 
 
@@ -205,9 +206,12 @@ def weir_worker(spec: dict) -> dict:
         "loop": {
             "mode": spec["mode"].split("-")[0],
             "max_staleness": 1,
-            "on_weight_update": "finish" if spec["mode"] == "async-finish" else "continue",
+            "on_weight_update": "finish" if "finish" in spec["mode"] else "continue",
         },
-        "engine": {"kv_on_update": "keep" if spec["mode"] == "async-keep" else "recompute"},
+        "engine": {
+            "kv_on_update": "keep" if "keep" in spec["mode"] else "recompute",
+            "process": "process" in spec["mode"],
+        },
         "telemetry": {"console": False, "trace": False},
     }
     if w["tools"]:
@@ -429,10 +433,11 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["sync", "async"],
-        choices=["sync", "async", "async-keep", "async-finish"],
+        choices=MODES,
         help="weir sides; async-keep: async with engine.kv_on_update=keep (no KV rebuild after a "
         "weight update); async-finish: async with loop.on_weight_update=finish (responses in "
-        "flight end under the old weights before an update)",
+        "flight end under the old weights before an update); -process: the engine in a child "
+        "process (engine.process=true)",
     )
     ap.add_argument(
         "--steps",

@@ -226,6 +226,15 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_engine_process(self) -> Config:
+        if self.engine.process and self.cluster.type == "ray":
+            raise ValueError(
+                "engine.process=true is for cluster.type=local: on Ray every engine replica is a "
+                "process of its own already; set engine.process=false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_critic(self) -> Config:
         """algo.advantage=gae trains a critic: what it cannot do yet is refused here."""
         if self.algo.advantage != "gae":

@@ -296,6 +296,12 @@ class EngineConfig(Section):
     share_weights: bool = True
     """Colocated: the built-in engine runs on the trainer's own module (no weight copy) when device
     and dtype are the trainer's; otherwise it keeps its own copy."""
+    process: bool = False
+    """Run the built-in engine in a child process of its own (weights passed through shared
+    memory, or CUDA IPC, at each update) instead of a thread of the trainer's process, so that in
+    loop.mode=async neither side's Python waits for the other's GIL. Its own copy of the model;
+    text models with cluster.type=local (Ray replicas are processes already); `weir serve`, with no
+    trainer beside its engine, ignores it. See docs/async.md."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Built-in engine device: `auto` (the trainer's device locally; CUDA when present on a Ray
     replica), `cpu`, `cuda` or `cuda:N`."""
@@ -355,6 +361,11 @@ class EngineConfig(Section):
             raise ValueError(
                 f"engine.kv_on_update=keep is for the built-in engine: a {self.type} server resumes "
                 "a request under new weights by prefilling it again; set engine.kv_on_update=recompute"
+            )
+        if self.process and self.type != "torch":
+            raise ValueError(
+                f"engine.process=true is for the built-in engine (a {self.type} server already runs "
+                "in its own process); set engine.process=false"
             )
         return self
 

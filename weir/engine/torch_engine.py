@@ -364,6 +364,15 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine computes in (its model's)."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue sampling exactly: the seed stream of unseeded requests
         and the weight version. Take it when no request is in flight."""

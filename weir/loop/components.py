@@ -236,7 +236,8 @@ def engine_placement(cfg: Config, model: torch.nn.Module) -> tuple[torch.device,
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
     """The built-in engine on the trainer's module (colocated sync) or on its own copy (always
-    for LoRA: a plain model holding the merged weights).
+    for LoRA: a plain model holding the merged weights; always in a child process with
+    engine.process, `weir.engine.process_engine`).
 
     Asynchronous training always copies: the trainer updates its weights while the engine decodes.
     So does an engine on another device or in another dtype than the trainer's (fp32 master
@@ -250,10 +251,14 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         from weir.train.lora import merged_model
 
         model = merged_model(model).to(device=device, dtype=dtype).eval()
-    elif concurrent or not cfg.engine.share_weights or (p.device, p.dtype) != (device, dtype):
+    elif (
+        concurrent
+        or cfg.engine.process
+        or not cfg.engine.share_weights
+        or (p.device, p.dtype) != (device, dtype)
+    ):
         model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
-    engine = TorchEngine(
-        model,
+    options = dict(
         eos_token_ids=eos_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         max_batch_size=cfg.engine.max_batch_size,
@@ -261,6 +266,12 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         num_threads=cfg.loop.engine_threads if concurrent else None,
         **kv_options(cfg.engine),
     )
+    if cfg.engine.process:
+        from weir.engine.process_engine import ProcessEngine
+
+        engine = ProcessEngine(model, **options)
+    else:
+        engine = TorchEngine(model, **options)
     check_kv_budget(cfg, engine)
     return engine
 
@@ -451,6 +462,11 @@ def _check_vision_run(cfg: Config) -> None:
         raise ValueError(
             "multi_agent.policies=separate does not run vision-language models yet: use "
             "multi_agent.policies=shared, or a text model"
+        )
+    if cfg.engine.process:
+        raise ValueError(
+            "a vision-language model's engine runs in the trainer's process: set "
+            "engine.process=false (docs/multimodal.md)"
         )
     if cfg.engine.type != "torch" or cfg.cluster.type != "local":
         raise ValueError(

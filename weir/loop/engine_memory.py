@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from weir.config import Config
 from weir.engine import TorchEngine
+from weir.engine.process_engine import ProcessEngine
 
 
 @contextmanager
@@ -20,14 +21,15 @@ def engine_asleep(
     release_memory_occupation). Either wakes on exit, also on error. Other engines (Ray replicas
     behind a router) are left as they are."""
     server_asleep = getattr(engine, "asleep", None)
-    if when and server_asleep is not None and not isinstance(engine, TorchEngine):
+    builtin = isinstance(engine, (TorchEngine, ProcessEngine))
+    if when and server_asleep is not None and not builtin:
         with server_asleep():
             yield
         return
-    if not (when and cfg.engine.sleep_while_training and isinstance(engine, TorchEngine)):
+    if not (when and cfg.engine.sleep_while_training and builtin):
         yield
         return
-    own_copy = engine.model is not trainer_model
+    own_copy = getattr(engine, "model", None) is not trainer_model
     engine.sleep_sync(offload_weights=cfg.engine.sleep_offload_weights and own_copy)
     try:
         yield

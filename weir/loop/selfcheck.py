@@ -107,14 +107,14 @@ def probe_length(model: torch.nn.Module, max_seq_len: int) -> int:
 
 @torch.no_grad()
 def run_selfcheck(model: torch.nn.Module, engine: Any, train_cfg: Any) -> SelfCheckResult:
-    """Probe `model` (the trainer's module) and `engine` (a `TorchEngine` on the same weights);
+    """Probe `model` (the trainer's module) and `engine` (a `TorchEngine`, or a `ProcessEngine`, on the same weights);
     set ``train_cfg.packing`` to "padded" when packing must be avoided. Raises `UnsupportedModel`."""
     t0 = time.perf_counter()
     support = model_support(model.config)
     p, device = next(model.parameters()), compute_device(model)
     # the loosest precision in play: master weights, the trainer's compute dtype, the engine's
     compute = resolve_dtype(getattr(train_cfg, "compute_dtype", None), device)
-    engine_dtype = next(engine.model.parameters()).dtype
+    engine_dtype = engine.dtype
     tol = max(rounding_tolerance(d, device) for d in (p.dtype, compute, engine_dtype))
     probe_len = probe_length(model, engine.max_seq_len)
     avoid = set(engine.eos_token_ids) | {engine.pad_token_id}
