@@ -99,6 +99,8 @@ def test_checkpoint_state_round_trips_and_repeats_the_samples(proc_engine):
 def test_errors_come_back_as_the_engines_own(proc_engine):
     with pytest.raises(ValueError, match="empty"):
         proc_engine.generate_many([[]], PARAMS)
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
+        proc_engine.generate_many([[5, 6]], [PARAMS, PARAMS])
     with pytest.raises(KeyError, match="no parameter or buffer"):
         proc_engine.update_weights_sync([("nope", torch.zeros(2))], 1)
     assert proc_engine.version == 0

@@ -114,7 +114,13 @@ def _child_main(conn: Any, model: torch.nn.Module, kwargs: dict, num_threads: in
                 break
             if method == "submit_many":
                 prompts, params = args
-                for i, fut in enumerate(engine.submit_many(prompts, params)):
+                try:
+                    futures = engine.submit_many(prompts, params)
+                except Exception as exc:  # one error for each prompt of the call
+                    for i in range(len(prompts)):
+                        reply(call_id + i, False, _portable(exc))
+                    continue
+                for i, fut in enumerate(futures):
                     fut.add_done_callback(lambda f, c=call_id + i: answer_future(c, f))
             elif method == "close":
                 break
