@@ -48,6 +48,20 @@ def test_same_completions_as_the_engine_in_this_process(model, proc_engine):
     assert proc_engine.dtype == torch.float32
 
 
+def test_the_child_owns_its_weights_once_started(model):
+    """The model reaches the child through memory this process holds (shared memory here, CUDA IPC
+    on a GPU); once started, the child must not depend on it."""
+    prompts = make_prompts(2, 4, 8, seed=5)
+    handed = copy.deepcopy(model)
+    with ProcessEngine(handed, eos_token_ids=[EOS], pad_token_id=PAD, seed=1) as eng:
+        with torch.no_grad():
+            for p in handed.parameters():
+                p.zero_()
+        for prompt, completions in zip(prompts, eng.generate_many(prompts, PARAMS), strict=True):
+            for c in completions:
+                assert_parity(model, prompt, c)
+
+
 def test_weight_updates_reach_the_child_and_later_samples_are_the_new_policy(model, proc_engine):
     prompts = make_prompts(3, 4, 10, seed=2)
     for version in (1, 2):  # the second update reuses the shared buffers of the first

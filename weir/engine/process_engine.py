@@ -81,6 +81,7 @@ def _child_main(conn: Any, model: torch.nn.Module, kwargs: dict, num_threads: in
             conn.send((call_id, ok, value))
 
     try:
+        _own_storage(model)
         engine = TorchEngine(model.eval(), num_threads=num_threads, **kwargs)
     except BaseException as exc:  # e.g. UnsupportedModel, a KV budget that cannot be met
         reply(0, False, _portable(exc))
@@ -142,6 +143,15 @@ def _child_main(conn: Any, model: torch.nn.Module, kwargs: dict, num_threads: in
         os._exit(0)
 
 
+@torch.no_grad()
+def _own_storage(model: torch.nn.Module) -> None:
+    """Give the child its own copy of every tensor it received. They arrive in memory the parent
+    holds (shared memory, or a CUDA IPC mapping that is valid only while the parent keeps the
+    tensor alive); the parent lets go of its copy once the child reports ready."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = t.data.clone()
+
+
 def _describe(engine: Any) -> dict[str, Any]:
     """What the parent's proxy mirrors of a started engine."""
     return {
@@ -172,8 +182,10 @@ class ProcessEngine(SyncControl):
     """A `TorchEngine` on `model` in a child process (see the module docstring).
 
     Args:
-        model: the engine's own model (not the trainer's: it is moved to shared memory and handed
-            to the child); built-in engine architectures only, as for `TorchEngine`.
+        model: the engine's own model (not the trainer's: its tensors are moved to shared memory,
+            or shared by CUDA IPC, to reach the child, which copies them before it reports ready;
+            the caller may then drop or change it). Built-in engine architectures only, as for
+            `TorchEngine`.
         num_threads: torch threads of the child (its whole process); None: this process's
             current setting, as a `TorchEngine` in a thread would inherit it.
         start_timeout_s: how long to wait for the child to import torch and build the engine.
