@@ -45,7 +45,8 @@ from weir.engine.base import Completion, SamplingParams, SyncControl
 
 log = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 8.0  # the child's own bound on stopping; the parent waits a little longer
+CLOSE_TIMEOUT_S = 8.0  # the child's own bound on stopping
+STOP_WAIT_S = CLOSE_TIMEOUT_S + 2  # how long the parent waits for it before terminating it
 
 # The blocking methods of `TorchEngine` a parent may call (they run in the child's control thread).
 _CONTROL = frozenset(
@@ -378,7 +379,7 @@ class ProcessEngine(SyncControl):
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def close(self, timeout: float | None = CLOSE_TIMEOUT_S + 2) -> None:
+    def close(self, timeout: float | None = STOP_WAIT_S) -> None:
         """Abort what is in flight, stop the child and wait for it. Idempotent."""
         if self._closed:
             return
@@ -395,7 +396,7 @@ class ProcessEngine(SyncControl):
         with self._join_lock:
             self._proc.join(timeout)
 
-    def _stop_process(self, timeout: float | None = 10.0) -> None:
+    def _stop_process(self, timeout: float | None = STOP_WAIT_S) -> None:
         self._join(timeout)
         if self._proc.is_alive():
             log.warning("the engine process did not stop in %s s; terminating it", timeout)
