@@ -14,6 +14,7 @@ import pytest
 import torch
 from engine_helpers import EOS, PAD, assert_parity, make_prompts
 
+from weir.config.devices import apply_backend_flags, backend_flags
 from weir.engine import TorchEngine
 from weir.engine.base import SamplingParams
 from weir.engine.process_engine import EngineProcessDied, ProcessEngine
@@ -138,3 +139,26 @@ def test_a_child_that_dies_fails_every_call_in_flight_and_after(model):
 def test_an_engine_that_cannot_start_raises_its_error_in_the_parent(model):
     with pytest.raises(ValueError, match="max_batch_size"):
         ProcessEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=0)
+
+
+def test_the_child_runs_under_this_process_torch_backend_settings(model):
+    """TF32, the attention backends and deterministic algorithms are per process: a spawned child
+    starts from torch's defaults unless it is given the parent's."""
+    saved = backend_flags()
+    changed = {
+        **saved,
+        "float32_matmul_precision": "high",
+        "cuda_matmul_allow_tf32": True,
+        "cudnn_sdp": False,
+        "flash_sdp": False,
+        "deterministic": True,
+        "deterministic_warn_only": True,
+    }
+    try:
+        apply_backend_flags(changed)
+        assert backend_flags() == changed
+        with ProcessEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD) as eng:
+            assert eng.backends == changed
+    finally:
+        apply_backend_flags(saved)
+    assert backend_flags() == saved

@@ -4,6 +4,7 @@ bfloat16, and the decode time with and without graphs (printed, and kept in GPU_
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -13,9 +14,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from weir.config.devices import set_cudnn_attention
 from weir.engine import SamplingParams, TorchEngine
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _as_weir_runs():
+    """cuDNN attention off, as `weir train` sets it (`model.cudnn_attention=false`): with it on,
+    the eager step plans anew for every KV length (docs/gpu.md) and the timings compare that."""
+    set_cudnn_attention(torch.device("cuda", 0), False)
+    yield
+    set_cudnn_attention(torch.device("cuda", 0), True)
 
 
 def generate(model, prompts, params, graphs):
@@ -88,3 +99,31 @@ def test_cuda_graph_decode_time_at_workload_b_shape(tiny_model_dir):
     if os.environ.get("GPU_CHECK_OUT"):
         out = Path(os.environ["GPU_CHECK_OUT"]) / "cuda_graphs.json"
         out.write_text(json.dumps({**times, "eager_over_graphs": ratio}, indent=1))
+
+
+def test_graphs_are_recaptured_after_the_slabs_grow_and_the_weights_change(tiny_model_dir):
+    """Reallocated slabs or new weights drop every graph and their pool; capturing again into the
+    retired pool failed an allocator assert on the first H100 run of a real batch (gpu_step.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = model.to("cuda").eval()
+    g = torch.Generator().manual_seed(2)
+    small = [torch.randint(6, 262, (6,), generator=g).tolist() for _ in range(2)]
+    large = [torch.randint(6, 262, (n,), generator=g).tolist() for n in range(10, 42)]
+    params = SamplingParams(n=8, max_new_tokens=24, temperature=1.0, seed=9)
+    new = {n: p.detach() * 1.01 for n, p in model.named_parameters()}
+    outs = {}
+    for graphs in (True, False):
+        with TorchEngine(
+            copy.deepcopy(model), eos_token_ids=[1], pad_token_id=0, cuda_graphs=graphs, seed=4
+        ) as engine:
+            engine.generate_many(small, SamplingParams(n=1, max_new_tokens=8))
+            engine.generate_many(large, params)  # 256 rows: the slabs grow
+            engine.update_weights_sync(new.items(), 1)
+            outs[graphs] = engine.generate_many(large, params)
+            stats = engine.stats()
+        if graphs:
+            assert stats["decode_fixed_shape"] == 1.0 and stats["decode_graphs"] >= 2
+    assert [[c.token_ids for c in cs] for cs in outs[True]] == [
+        [c.token_ids for c in cs] for cs in outs[False]
+    ]

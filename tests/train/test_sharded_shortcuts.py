@@ -16,6 +16,7 @@ from tests.train.launch import run_ranks
 from tests.train.shortcut_rank import KEYS
 
 WORLD = 2
+ADAM_ROUNDING = 2e-4  # weights apart after AdamW steps at lr 1e-2 from rounding alone (see below)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,14 @@ def test_shortcut_update_equals_the_full_step(seen, tiny_model_dir):
     full = _weights(out, "full")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert max((full[k] - start[k]).abs().max().item() for k in full) > 1e-3  # it trained
+    # AdamW's first steps move each weight by about lr * sign(g) (lr 1e-2 here), so the
+    # rounding-level gradient differences of another micro-batch order show amplified where a
+    # gradient cancels to near zero: 3.6e-5 on an AMD EPYC, under 1e-5 on the CPU this was first
+    # run on. A wrong update (a dead row's loss or normaliser leaking in) moves weights by ~lr.
     for way in ("default", "forward"):
         got = _weights(out, way)
         assert set(got) == set(full)
-        assert max((full[k] - got[k]).abs().max().item() for k in full) < 1e-5, way
+        assert max((full[k] - got[k]).abs().max().item() for k in full) < ADAM_ROUNDING, way
 
 
 def test_the_prefix_layout_on_ranks_trains_what_one_process_trains(seen, tiny_model_dir):
@@ -81,7 +86,7 @@ def test_the_prefix_layout_on_ranks_trains_what_one_process_trains(seen, tiny_mo
     # here, one-process prefix against padded by about 2e-4.
     one, got = _weights(out, "prefix_one"), _weights(out, "prefix")
     assert set(got) == set(one)
-    assert max((one[k] - got[k]).abs().max().item() for k in one) < 2e-4
+    assert max((one[k] - got[k]).abs().max().item() for k in one) < ADAM_ROUNDING
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert min((got[k] - start[k]).abs().max().item() for k in got) > 1e-3
 
@@ -91,4 +96,4 @@ def test_a_non_finite_log_prob_on_one_rank_restarts_the_step_on_both(seen):
     # both ranks fell back to the two-pass step once (step 1), then fused again (step 2)
     assert [r["injected"]["logprob_passes"] for r in ranks] == [1, 1]
     full, injected = _weights(out, "full"), _weights(out, "injected")
-    assert max((full[k] - injected[k]).abs().max().item() for k in full) < 1e-5
+    assert max((full[k] - injected[k]).abs().max().item() for k in full) < ADAM_ROUNDING

@@ -5,6 +5,8 @@ Shared by the trainer and the engines, so that `auto` means the same thing on bo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -94,3 +96,39 @@ def rounding_tolerance(dtype: torch.dtype, device: torch.device | None = None) -
         return 2e-2
     tf32 = device is not None and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return 2e-2 if tf32 else 1e-4
+
+
+def backend_flags() -> dict[str, Any]:
+    """This process's torch settings that choose kernels or change numbers (TF32, the attention
+    backends of `scaled_dot_product_attention`, deterministic algorithms).
+
+    They are process-global and a `spawn`ed child starts with torch's defaults, so a child that
+    computes for this process (the engine with `engine.process=true`) takes them with
+    `apply_backend_flags`; otherwise, on CUDA, it would run with TF32 off and cuDNN attention on
+    while the engine in a thread of this process runs with what `setup_device` chose.
+    """
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+        "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math_sdp": torch.backends.cuda.math_sdp_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
+
+
+def apply_backend_flags(flags: dict[str, Any]) -> None:
+    """Set this process's torch settings to `flags` (from `backend_flags` in another process)."""
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
+    torch.backends.cuda.enable_cudnn_sdp(flags["cudnn_sdp"])
+    torch.backends.cuda.enable_flash_sdp(flags["flash_sdp"])
+    torch.backends.cuda.enable_mem_efficient_sdp(flags["mem_efficient_sdp"])
+    torch.backends.cuda.enable_math_sdp(flags["math_sdp"])
+    torch.use_deterministic_algorithms(
+        flags["deterministic"], warn_only=flags["deterministic_warn_only"]
+    )

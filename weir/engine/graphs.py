@@ -121,9 +121,13 @@ class StaticDecode:
         self.captured = 0
 
     def reset(self) -> None:
-        """Drop every graph and buffer (the slabs or weights they point to are gone)."""
+        """Drop every graph and buffer (the slabs or weights they point to are gone), and their
+        memory pool: once its graphs are gone the allocator retires a private pool, and capturing
+        into it again fails an internal assert (seen on an H100, torch 2.11, when the slabs grew);
+        the next capture opens a new one."""
         self._entries.clear()
         self._slabs = None
+        self._pool = None
 
     def _check_addresses(self, cache: Any) -> None:
         first = cache.layers[0]

@@ -20,6 +20,11 @@ the child to load them, which it does between decode steps, as `TorchEngine.upda
 does for a trainer in the same process. The parent waits for the child's answer before it touches
 a buffer again, so the child never reads a half-written update.
 
+Settings: the child starts with torch's defaults, so it takes this process's torch backend settings
+as they are when the engine is made (`weir.config.devices.backend_flags`: TF32, the attention
+backends, deterministic algorithms) and its thread count; on CUDA the engine in a process then runs
+the kernels and numbers the engine in a thread would.
+
 Failure: if the child dies, every call in flight and every later call fails with
 `EngineProcessDied`, naming its exit code; nothing waits forever.
 """
@@ -41,6 +46,7 @@ from typing import Any
 
 import torch
 
+from weir.config.devices import apply_backend_flags, backend_flags
 from weir.engine.base import Completion, SamplingParams, SyncControl
 
 log = logging.getLogger(__name__)
@@ -69,12 +75,15 @@ class EngineProcessDied(RuntimeError):
     """The engine's child process exited while calls were in flight, or before a call."""
 
 
-def _child_main(conn: Any, model: torch.nn.Module, kwargs: dict, num_threads: int | None) -> None:
+def _child_main(
+    conn: Any, model: torch.nn.Module, kwargs: dict, num_threads: int | None, backends: dict
+) -> None:
     """The child: build the `TorchEngine` on `model` and serve calls from `conn` until "close"."""
     from weir.engine.torch_engine import TorchEngine
 
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    apply_backend_flags(backends)
     send_lock = threading.Lock()
 
     def reply(call_id: int, ok: bool, value: Any) -> None:
@@ -164,6 +173,7 @@ def _describe(engine: Any) -> dict[str, Any]:
         "pad_token_id": engine.pad_token_id,
         "dtype": engine.dtype,
         "device": str(engine.device),
+        "backends": backend_flags(),
     }
 
 
@@ -208,7 +218,7 @@ class ProcessEngine(SyncControl):
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, model, engine_kwargs, num_threads),
+            args=(child_conn, model, engine_kwargs, num_threads, backend_flags()),
             name="weir-engine",
             daemon=True,
         )
@@ -238,6 +248,7 @@ class ProcessEngine(SyncControl):
         self.pad_token_id: int = info["pad_token_id"]
         self.dtype: torch.dtype = info["dtype"]
         self.device = torch.device(info["device"])
+        self.backends: dict[str, Any] = info["backends"]  # the child's, as `backend_flags` reads
 
     # -- transport ---------------------------------------------------------------------------------
 

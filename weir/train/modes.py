@@ -46,6 +46,13 @@ def prepare_for_training(model: torch.nn.Module, *, checkpointing: bool) -> torc
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # HF also hooks the input embeddings to make their output require grad, which only reentrant
+    # checkpointing needs. The hook would follow the model into every engine built on it or on a
+    # copy of it, and the built-in engine's direct decode forward (and its CUDA graphs) refuses a
+    # hooked module: on an H100 a 0.5B-shaped engine copied after a checkpointed step decoded
+    # about half as fast (benchmarks/gpu_step.py --compare-graphs, docs/gpu.md).
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
     return model.eval()
 
 
