@@ -122,3 +122,26 @@ def test_direct_decode_in_bfloat16_matches_the_hf_forward(arch_dirs):
     hf, _ = generate(model, prompts, SAMPLING, direct_decode=False)
     assert used == 1.0
     assert_same(direct, hf)
+
+
+def _norms(direct: DecodeForward) -> list:
+    layers = [(lay.ln1, lay.ln2, lay.q_norm, lay.k_norm) for lay in direct._layers]
+    return [direct._norm, *(n for norms in layers for n in norms if n is not None)]
+
+
+def test_norms_run_as_one_call_only_where_that_gives_the_same_bits(arch_dirs, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs["qwen3"]).eval()
+    direct = DecodeForward.build(model, per_layer_type=False)
+    assert len(_norms(direct)) == 4 * model.config.num_hidden_layers + 1
+    assert all(n.fused for n in _norms(direct))  # torch's rms_norm is the module's formula here
+    real = torch.nn.functional.rms_norm
+
+    def one_ulp_off(*a, **k):
+        return real(*a, **k) * (1 + 2**-22)
+
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", one_ulp_off)
+    assert not any(n.fused for n in _norms(DecodeForward.build(model, per_layer_type=False)))
+    prompts = make_prompts(3, 4, 12, seed=8)
+    direct_out, used = generate(model, prompts, SAMPLING)
+    assert used == 1.0  # the norms written out keep the direct forward exact
+    assert_same(direct_out, generate(model, prompts, SAMPLING, direct_decode=False)[0])
