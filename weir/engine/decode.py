@@ -74,9 +74,10 @@ class _Norm:
     @torch.no_grad()
     def _fused_is_exact(self) -> bool:
         w = self.module.weight
-        g = torch.Generator(device=w.device).manual_seed(0)
-        x = torch.randn((64, *self.shape), generator=g, device=w.device).to(w.dtype) * 3
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn((64, *self.shape), generator=g) * 3
         try:
+            x = x.to(device=w.device, dtype=w.dtype)
             return torch.equal(F.rms_norm(x, self.shape, w, self.eps), self(x))
         except (RuntimeError, NotImplementedError):  # e.g. parameters on the meta device
             return False
