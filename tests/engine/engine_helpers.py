@@ -21,9 +21,10 @@ def make_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def full_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits predicting each of `tokens` (float32 [len(tokens), vocab]) from one plain forward."""
-    ids = torch.tensor([prompt + tokens])
-    logits = model(ids).logits[0].float()
+    """Logits predicting each of `tokens` (float32 [len(tokens), vocab], on the CPU) from one plain
+    forward on the model's device."""
+    ids = torch.tensor([prompt + tokens], device=next(model.parameters()).device)
+    logits = model(ids).logits[0].float().cpu()
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import weir
-from weir.config.devices import backend_flags
+from tests.engine.engine_helpers import assert_parity
+from weir.config.devices import apply_backend_flags, backend_flags
 from weir.engine import SamplingParams, TorchEngine
 from weir.engine.process_engine import ProcessEngine
 
@@ -30,16 +31,6 @@ def _model(tiny_model_dir):
 def _prompts(count: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(6, 262, (int(n),), generator=g).tolist() for n in range(4, 4 + count)]
-
-
-@torch.inference_mode()
-def _max_logprob_error(model, prompt: list[int], completion) -> float:
-    if not completion.token_ids:
-        return 0.0
-    ids = torch.tensor([prompt + completion.token_ids], device=CUDA)
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
-    return (ref.cpu() - torch.tensor(completion.logprobs)).abs().max().item()
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +69,8 @@ def test_weight_updates_by_cuda_ipc_and_the_child_owns_its_weights(tiny_model_di
             for p in handed.parameters():
                 p.zero_()
         for prompt, cs in zip(prompts, eng.generate_many(prompts, PARAMS), strict=True):
-            assert max(_max_logprob_error(model, prompt, c) for c in cs) <= 1e-4
+            for c in cs:
+                assert_parity(model, prompt, c, tol=1e-4)
         for version in (1, 2):  # the second update reuses the CUDA buffers of the first
             g = torch.Generator(device=CUDA).manual_seed(version)
             new = {
@@ -89,8 +81,9 @@ def test_weight_updates_by_cuda_ipc_and_the_child_owns_its_weights(tiny_model_di
             reference = copy.deepcopy(model)
             reference.load_state_dict(new, strict=False)
             for prompt, cs in zip(prompts, eng.generate_many(prompts, PARAMS), strict=True):
-                assert all(set(c.versions) == {version} for c in cs)
-                assert max(_max_logprob_error(reference, prompt, c) for c in cs) <= 1e-4
+                for c in cs:
+                    assert set(c.versions) == {version}
+                    assert_parity(reference, prompt, c, tol=1e-4)
             del new  # the parent's tensors may go: the buffers are the proxy's
         assert all(b.device == CUDA for b in eng._buffers.values())
 
@@ -107,8 +100,7 @@ def test_the_child_runs_under_this_process_cuda_backend_settings(tiny_model_dir)
             assert eng.backends["cuda_matmul_allow_tf32"] is True
             assert eng.backends["cudnn_sdp"] is False
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved["cuda_matmul_allow_tf32"]
-        torch.backends.cuda.enable_cudnn_sdp(saved["cudnn_sdp"])
+        apply_backend_flags(saved)
 
 
 def test_a_sync_run_on_cuda_with_the_engine_in_a_process(tmp_path):

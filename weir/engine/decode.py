@@ -68,7 +68,6 @@ class _Norm:
     def __init__(self, module: nn.Module):
         self.module, self.eps = module, module.variance_epsilon
         self.shape = (int(module.weight.shape[-1]),)
-        self.fused = False
         self.fused = self._fused_is_exact()
 
     @torch.no_grad()
@@ -78,13 +77,17 @@ class _Norm:
         x = torch.randn((64, *self.shape), generator=g) * 3
         try:
             x = x.to(device=w.device, dtype=w.dtype)
-            return torch.equal(F.rms_norm(x, self.shape, w, self.eps), self(x))
+            return torch.equal(F.rms_norm(x, self.shape, w, self.eps), self._written(x))
         except (RuntimeError, NotImplementedError):  # e.g. parameters on the meta device
             return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return F.rms_norm(x, self.shape, self.module.weight, self.eps)
+        return self._written(x)
+
+    def _written(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm as the module writes it, op by op."""
         dtype = x.dtype
         if dtype != torch.float32:  # (``.to`` its own dtype is the tensor itself: skip the call)
             x = x.to(torch.float32)
