@@ -37,6 +37,11 @@ observation tokens per episode), and optimizer updates per step (a hook on every
     python benchmarks/vs_trl.py                            # A, B and C, weir sync + async vs TRL, 2 rounds
     python benchmarks/vs_trl.py --workloads A --rounds 3 --steps 8
     python benchmarks/vs_trl.py --workloads C              # multi-turn tool use only
+    python benchmarks/vs_trl.py --trl-threads 1 2          # TRL also on two threads (weir async uses two cores)
+
+weir async runs its engine and its trainer on one thread each, so it uses both cores while TRL and
+weir sync use one. `--trl-threads 1 2` adds a TRL side on two torch threads (`trl-2t`); every ratio
+is then taken against the faster TRL side of its round.
 """
 
 from __future__ import annotations
@@ -253,7 +258,7 @@ def trl_worker(spec: dict) -> dict:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(spec.get("threads", 1))
     import logging
     import warnings
 
@@ -379,7 +384,8 @@ def trl_worker(spec: dict) -> dict:
 
 
 def run_side(side: str, spec: dict, python: str, timeout: float) -> dict:
-    """One run in a fresh process with one thread; its result dict (or an error)."""
+    """One run in a fresh process (one torch thread unless ``spec["threads"]`` says more); its
+    result dict (or an error)."""
     spec_path = Path(spec["run_dir"]) / "spec.json"
     out_path = Path(spec["run_dir"]) / "result.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -387,8 +393,8 @@ def run_side(side: str, spec: dict, python: str, timeout: float) -> dict:
     out_path.unlink(missing_ok=True)
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(spec.get("threads", 1)),
+        "MKL_NUM_THREADS": str(spec.get("threads", 1)),
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -447,6 +453,14 @@ def main() -> None:
         help="steps per run, one number per workload (default: A 12, B 5, C 8; the first is a warm-up)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (order rotates)")
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="torch threads of the TRL side, one TRL side per number (trl, trl-2t, ...); ratios "
+        "are against the faster TRL side of each round",
+    )
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "vs_trl"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--sft-rows", type=int, default=8000)
@@ -475,7 +489,8 @@ def main() -> None:
         paths["B"] = {**ab, "model": ab["model_noeos"]}
     if "C" in args.workloads:
         paths["C"] = twl.prepare_calculator(workdir, args.calc_sft_rows, args.calc_sft_epochs)
-    sides = ["trl", *(f"weir-{m}" for m in args.modes)]
+    trl_sides = {("trl" if t == 1 else f"trl-{t}t"): t for t in dict.fromkeys(args.trl_threads)}
+    sides = [*trl_sides, *(f"weir-{m}" for m in args.modes)]
     counts = args.steps or [WORKLOADS[w]["steps"] for w in args.workloads]
     if len(counts) != len(args.workloads):
         sys.exit("vs_trl: give --steps one number per workload")
@@ -493,6 +508,7 @@ def main() -> None:
             order = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
             for side in order:
                 mode = side.split("-", 1)[1] if side.startswith("weir") else "trl"
+                trl = side in trl_sides
                 run_dir = workdir / "runs" / f"{wl}-{side}-r{rnd}"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 spec = {
@@ -504,10 +520,11 @@ def main() -> None:
                     "model": str(paths[wl]["model"]),
                     "prompts": str(paths[wl]["prompts"]),
                     "eval": str(paths[wl]["eval"]),
+                    "threads": trl_sides.get(side, 1),
                 }
-                python = args.trl_python if side == "trl" else sys.executable
+                python = args.trl_python if trl else sys.executable
                 t0 = time.perf_counter()
-                res = run_side("trl" if side == "trl" else "weir", spec, python, args.timeout)
+                res = run_side("trl" if trl else "weir", spec, python, args.timeout)
                 res["wall_s"] = time.perf_counter() - t0
                 res["load"] = os.getloadavg()[0]
                 results.setdefault((wl, side), []).append(res)
@@ -520,7 +537,7 @@ def main() -> None:
                         f"reward {statistics.mean(res['reward']):.3f}, load {res['load']:.1f}",
                         flush=True,
                     )
-    report(results, args, sides, load0)
+    report(results, args, sides, list(trl_sides), load0)
 
 
 def pooled(runs: list[dict]) -> tuple[float, float]:
@@ -538,12 +555,22 @@ def compare(mine: tuple[float, float], theirs: tuple[float, float]) -> str:
     return "higher" if gap > 0 else "LOWER"
 
 
-def report(results, args, sides, load0) -> None:
+def fastest_trl(results, wl: str, trl_sides: list[str], rnd: int) -> dict | None:
+    """The TRL run of round `rnd` with the lowest median s/step over the TRL sides (None if all
+    failed): the baseline every ratio of that round is taken against."""
+    runs = [results.get((wl, t), []) for t in trl_sides]
+    ok = [r[rnd] for r in runs if rnd < len(r) and "error" not in r[rnd]]
+    return min(ok, key=lambda r: med(r["step_s"][1:])) if ok else None
+
+
+def report(results, args, sides, trl_sides, load0) -> None:
     load1 = os.getloadavg()
+    threads = "/".join(str(t) for t in dict.fromkeys(args.trl_threads))
     print()
     print(
         f"## weir vs TRL {_trl_version(args.trl_python)} (Python {sys.version.split()[0]}), "
-        f"{os.cpu_count()} CPUs, one torch thread a process; "
+        f"{os.cpu_count()} CPUs, one torch thread a process (weir async: engine and trainer one "
+        f"each; TRL {threads}, ratios against the faster); "
         f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds"
     )
     print()
@@ -555,7 +582,7 @@ def report(results, args, sides, load0) -> None:
     print("|" + " --- |" * 13)
     verdicts = []
     for wl in args.workloads:
-        trl = results.get((wl, "trl"), [])
+        trl_all = [r for t in trl_sides for r in results.get((wl, t), []) if "error" not in r]
         for side in sides:
             runs = [r for r in results.get((wl, side), []) if "error" not in r]
             if not runs:
@@ -564,20 +591,21 @@ def report(results, args, sides, load0) -> None:
             sps = [med(r["step_s"][1:]) for r in runs]
             ratios = []
             for i, r in enumerate(results.get((wl, side), [])):
-                if side != "trl" and i < len(trl) and "error" not in trl[i] and "error" not in r:
-                    ratios.append(med(trl[i]["step_s"][1:]) / med(r["step_s"][1:]))
+                base = fastest_trl(results, wl, trl_sides, i)
+                if side not in trl_sides and base is not None and "error" not in r:
+                    ratios.append(med(base["step_s"][1:]) / med(r["step_s"][1:]))
             rewards = [statistics.mean(r["reward"]) for r in runs]
             # per-episode means of the counts taken inside each process, x episodes per step
             gen = [r["episode"]["model_tokens"] * statistics.mean(r["samples"]) for r in runs]
             ep = {k: [r["episode"][k] for r in runs] for k in runs[0]["episode"]}
             upd = [r["optimizer_updates"] / max(1, len(r["reward"])) for r in runs]
-            target = TARGETS.get(side.removeprefix("weir-")) if side != "trl" else None
+            target = TARGETS.get(side.removeprefix("weir-")) if side not in trl_sides else None
             ratio_txt = span_of(ratios) if ratios else "-"
             tgt_txt = "-"
             if target is not None and ratios:
                 ok = min(ratios) >= target
                 tgt_txt = f">= {target:.0f}x: {'MET' if ok else 'NOT MET'}"
-                mine, theirs = pooled(runs), pooled([t for t in trl if "error" not in t])
+                mine, theirs = pooled(runs), pooled(trl_all)
                 verdicts.append(
                     f"{wl} {side}: {ratio_txt}x TRL's speed (target {target:.0f}x, "
                     f"{'met' if ok else 'not met'}); reward/step {mine[0]:.3f} +- {mine[1]:.3f} vs "
@@ -591,7 +619,10 @@ def report(results, args, sides, load0) -> None:
                 f"{span_of(ep['obs_tokens'])} | {span_of(upd)} |"
             )
         for side in sides:
-            if IN_ORDER[wl] and side != "trl":  # async may draw one batch more than it trains
+            trl = results.get((wl, trl_sides[0]), [])
+            if (
+                IN_ORDER[wl] and side not in trl_sides
+            ):  # async may draw one batch more than it trains
                 same = [
                     set(t["prompts_seen"]) <= set(r["prompts_seen"])
                     for t, r in zip(trl, results.get((wl, side), []), strict=False)
