@@ -41,7 +41,11 @@ observation tokens per episode), and optimizer updates per step (a hook on every
 
 weir async runs its engine and its trainer on one thread each, so it uses both cores while TRL and
 weir sync use one. `--trl-threads 1 2` adds a TRL side on two torch threads (`trl-2t`); every ratio
-is then taken against the faster TRL side of its round.
+is then taken against the faster TRL side of its round. The `-2engines` modes give weir's
+generation both cores too: two engine processes of half the rows each (engine.process=true,
+engine.replicas=2).
+
+    python benchmarks/vs_trl.py --workloads B --modes sync sync-2engines async-finish-2engines --trl-threads 1 2
 """
 
 from __future__ import annotations
@@ -76,8 +80,17 @@ N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
-MODES = ["sync", "async", "async-keep", "async-finish", "async-process", "async-finish-process"]
-TARGETS = {m: 2.0 if m == "sync" else 3.0 for m in MODES}
+MODES = [
+    "sync",
+    "async",
+    "async-keep",
+    "async-finish",
+    "async-process",
+    "async-finish-process",
+    "sync-2engines",
+    "async-finish-2engines",
+]
+TARGETS = {m: 2.0 if m.startswith("sync") else 3.0 for m in MODES}
 END_OF_TURN = "<|end|>"
 
 
@@ -215,7 +228,8 @@ def weir_worker(spec: dict) -> dict:
         },
         "engine": {
             "kv_on_update": "keep" if "keep" in spec["mode"] else "recompute",
-            "process": "process" in spec["mode"],
+            "process": "process" in spec["mode"] or "2engines" in spec["mode"],
+            "replicas": 2 if "2engines" in spec["mode"] else 1,
         },
         "telemetry": {"console": False, "trace": False},
     }
@@ -443,7 +457,8 @@ def main() -> None:
         help="weir sides; async-keep: async with engine.kv_on_update=keep (no KV rebuild after a "
         "weight update); async-finish: async with loop.on_weight_update=finish (responses in "
         "flight end under the old weights before an update); -process: the engine in a child "
-        "process (engine.process=true)",
+        "process (engine.process=true); -2engines: two engine processes, one per core "
+        "(engine.process=true, engine.replicas=2)",
     )
     ap.add_argument(
         "--steps",

@@ -77,3 +77,27 @@ def test_an_async_run_with_the_engine_in_a_process(tmp_path):
 def test_engine_process_is_refused_where_the_engine_is_a_process_already(overrides, names):
     with pytest.raises((ValidationError, ValueError), match=names):
         load_config(None, ["engine.process=true", *overrides])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_with_two_engine_processes(mode, tmp_path):
+    """engine.replicas=2: both processes serve every step, and every weight update reaches both
+    (the engine's log-probs stay the trainer's, which a replica left on old weights would not)."""
+    cfg = {
+        **SMALL,
+        "run": {**SMALL["run"], "steps": 4},
+        "rollout": {**SMALL["rollout"], "max_new_tokens": 16},
+        "train": {"lr": 5e-3},
+        "loop": {"mode": mode, "max_staleness": 1, "on_weight_update": "finish"},
+        "engine": {"process": True, "replicas": 2},
+    }
+    result = weir.run(cfg, [f"run.dir={tmp_path}"], reward=odd_tokens)
+    steps = [h for h in result.history if "reward/mean" in h]
+    assert len(steps) == 4
+    mismatch = [h["mismatch/abs_logp_diff"] for h in steps]
+    if mode == "sync":
+        assert all(h["train/loss"] != 0.0 for h in steps)  # the weights change every step
+        assert max(mismatch) < 1e-5, mismatch  # the same weights, float32: rounding only
+    else:  # one update of staleness at most: the drift of one step
+        assert max(h["staleness/max"] for h in steps) <= 1
+        assert max(mismatch) < 0.5, mismatch

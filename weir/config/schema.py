@@ -232,6 +232,11 @@ class Config(Section):
                 "engine.process=true is for cluster.type=local: on Ray every engine replica is a "
                 "process of its own already; set engine.process=false"
             )
+        if self.engine.process and self.engine.replicas > 1 and self.run.deterministic:
+            raise ValueError(
+                "run.deterministic needs engine.replicas=1: which replica serves a prompt, and so "
+                "which rows it is batched with, depends on timing"
+            )
         return self
 
     @model_validator(mode="after")

@@ -367,6 +367,11 @@ class EngineConfig(Section):
                 f"engine.process=true is for the built-in engine (a {self.type} server already runs "
                 "in its own process); set engine.process=false"
             )
+        if self.type == "torch" and self.replicas > 1 and not self.process:
+            raise ValueError(
+                f"engine.replicas={self.replicas} runs each built-in engine in a process of its "
+                "own: set engine.process=true (on Ray: cluster.engines.replicas)"
+            )
         return self
 
     python: str | None = None
@@ -374,7 +379,10 @@ class EngineConfig(Section):
     urls: list[str] = Field(default_factory=list)
     """vllm/sglang: attach to servers already running at these base URLs instead of starting any."""
     replicas: int = Field(1, ge=1)
-    """vllm/sglang: servers weir starts (requests go to the one with the fewest outstanding)."""
+    """vllm/sglang: servers weir starts. Built-in engine (with engine.process=true): engine
+    processes, each with its own copy of the weights, e.g. one per core of a CPU machine
+    (`weir.engine.local_replicas`). Either way each prompt goes to the one with the fewest
+    outstanding."""
     max_model_len: int | None = Field(None, ge=16)
     """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
     sleep_mode: bool = False

@@ -266,7 +266,9 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         num_threads=cfg.loop.engine_threads if concurrent else None,
         **kv_options(cfg.engine),
     )
-    if cfg.engine.process:
+    if cfg.engine.process and cfg.engine.replicas > 1:
+        engine = _local_replicas(cfg.engine.replicas, model, options, cfg.run.seed)
+    elif cfg.engine.process:
         from weir.engine.process_engine import ProcessEngine
 
         engine = ProcessEngine(model, **options)
@@ -274,6 +276,22 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         engine = TorchEngine(model, **options)
     check_kv_budget(cfg, engine)
     return engine
+
+
+def _local_replicas(count: int, model: torch.nn.Module, options: dict, seed: int) -> Any:
+    """`count` engine processes on `model` (each child copies it) behind one engine."""
+    from weir.engine.local_replicas import LocalReplicas
+    from weir.engine.process_engine import ProcessEngine
+
+    started: list[ProcessEngine] = []
+    try:
+        for _ in range(count):
+            started.append(ProcessEngine(model, **options))
+    except BaseException:
+        for e in started:
+            e.close()
+        raise
+    return LocalReplicas(started, seed=seed)
 
 
 def make_contexts(

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from weir.config import Config
 from weir.engine import TorchEngine
+from weir.engine.local_replicas import LocalReplicas
 from weir.engine.process_engine import ProcessEngine
 
 
@@ -21,7 +22,7 @@ def engine_asleep(
     release_memory_occupation). Either wakes on exit, also on error. Other engines (Ray replicas
     behind a router) are left as they are."""
     server_asleep = getattr(engine, "asleep", None)
-    builtin = isinstance(engine, (TorchEngine, ProcessEngine))
+    builtin = isinstance(engine, (TorchEngine, ProcessEngine, LocalReplicas))
     if when and server_asleep is not None and not builtin:
         with server_asleep():
             yield
