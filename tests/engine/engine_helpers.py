@@ -13,6 +13,16 @@ PAD = 0
 TOL = 1e-5
 
 
+def perturbed(model, seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """`model`'s parameters each moved by `scale` standard normal noise (seeded): new weights for
+    an update, the model itself left as it is."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        name: p.detach() + scale * torch.randn(p.shape, generator=g)
+        for name, p in model.named_parameters()
+    }
+
+
 def make_prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (count,), generator=g).tolist()

@@ -14,6 +14,7 @@ from engine_helpers import (
     assert_parity,
     greedy_reference,
     make_prompts,
+    perturbed,
     ref_logprobs,
     wait_steps,
 )
@@ -89,14 +90,6 @@ def test_request_joining_running_batch_completes_with_the_same_result(engine, mo
         f.result(timeout=30)
 
 
-def _perturbed(model, scale=0.05, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + scale * torch.randn(p.shape, generator=g)
-        for name, p in model.named_parameters()
-    }
-
-
 @pytest.mark.parametrize(
     "engine_kw",
     [{}, {"max_prefill_tokens": 16}, {"recompute_kv_on_update": False}],
@@ -112,7 +105,7 @@ def test_weight_update_mid_response(make_engine, model, engine_kw):
         futs = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
         await asyncio.to_thread(wait_steps, engine, 6)
         await engine.pause()
-        await engine.update_weights(_perturbed(model).items(), version=1)
+        await engine.update_weights(perturbed(model).items(), version=1)
         assert engine.version == 1
         await engine.resume()
         return await asyncio.gather(*futs)
@@ -339,7 +332,7 @@ def test_drain_finishes_the_rows_in_flight_under_their_weights_and_holds_new_one
     time.sleep(0.05)
     assert engine.stats()["decode_steps"] == drained["steps"]  # nothing ran while held
     assert engine.stats()["waiting_requests"] == 1
-    engine.update_weights_sync(_perturbed(model).items(), version=1)
+    engine.update_weights_sync(perturbed(model).items(), version=1)
     engine.resume_sync()
     (fresh,) = late.result(timeout=30)
     for prompt, f in zip(prompts, running, strict=True):
@@ -369,7 +362,7 @@ def test_a_drain_that_times_out_leaves_the_rows_running_into_the_new_weights(mak
     assert engine.drain_sync(timeout=0.05) is False
     assert 0.05 <= time.perf_counter() - t0 < 5 and not long.done()
     late = engine.submit(prompt, SamplingParams(max_new_tokens=4, seed=8))
-    engine.update_weights_sync(_perturbed(model).items(), version=1)
+    engine.update_weights_sync(perturbed(model).items(), version=1)
     time.sleep(0.05)
     assert engine.stats()["waiting_requests"] == 1  # still held: not admitted before resume
     engine.resume_sync()

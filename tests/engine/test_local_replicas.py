@@ -10,8 +10,7 @@ import dataclasses
 import random
 
 import pytest
-import torch
-from engine_helpers import EOS, PAD, assert_parity, make_prompts
+from engine_helpers import EOS, PAD, assert_parity, make_prompts, perturbed
 from pydantic import ValidationError
 
 from weir.config import load_config
@@ -32,14 +31,6 @@ def replicas(base_model):
     group = LocalReplicas(engines, seed=3)
     yield group
     group.close()
-
-
-def _perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        for name, p in model.named_parameters()
-    }
 
 
 def _served(group: LocalReplicas) -> list[float]:
@@ -92,7 +83,7 @@ def test_the_least_loaded_replica_takes_the_next_prompt(replicas):
 
 def test_weight_updates_reach_every_replica(base_model, replicas):
     prompts = make_prompts(4, 4, 10, seed=2)
-    new = _perturbed(base_model, seed=11)
+    new = perturbed(base_model, seed=11)
     asyncio.run(replicas.update_weights(new.items(), 5))
     assert replicas.version == 5 and [r.version for r in replicas.replicas] == [5, 5]
     reference = copy.deepcopy(base_model)

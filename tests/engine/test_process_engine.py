@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import EOS, PAD, assert_parity, make_prompts
+from engine_helpers import EOS, PAD, assert_parity, make_prompts, perturbed
 
 from weir.config.devices import apply_backend_flags, backend_flags
 from weir.engine import TorchEngine
@@ -27,14 +27,6 @@ def proc_engine(model):
     eng = ProcessEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD, seed=7)
     yield eng
     eng.close()
-
-
-def _perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        for name, p in model.named_parameters()
-    }
 
 
 def test_same_completions_as_the_engine_in_this_process(model, proc_engine):
@@ -66,7 +58,7 @@ def test_the_child_owns_its_weights_once_started(model):
 def test_weight_updates_reach_the_child_and_later_samples_are_the_new_policy(model, proc_engine):
     prompts = make_prompts(3, 4, 10, seed=2)
     for version in (1, 2):  # the second update reuses the shared buffers of the first
-        new = _perturbed(model, seed=version)
+        new = perturbed(model, seed=version)
         asyncio.run(proc_engine.update_weights(new.items(), version))
         assert proc_engine.version == version
         reference = copy.deepcopy(model)

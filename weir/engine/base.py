@@ -26,7 +26,8 @@ response that was in flight while weights were updated carries tokens of both ve
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -142,3 +143,50 @@ class SyncControl:
 
     async def drain(self, timeout: float | None = None) -> bool:
         return await asyncio.to_thread(self.drain_sync, timeout)
+
+
+def params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    """`submit_many`'s `params` as one `SamplingParams` per prompt: one object (or None, the
+    defaults) for all `count` prompts, or a sequence of exactly `count`."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params if params is not None else SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def summed_stats(each: list[dict[str, float]]) -> dict[str, float]:
+    """Several engines' `stats()` as one: every counter summed, except ``busy_s``, their mean (so
+    that busy time over wall time stays a fraction, as for one engine)."""
+    total: dict[str, float] = {}
+    for s in each:
+        for k, v in s.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    if "busy_s" in total:
+        total["busy_s"] /= len(each)
+    return total
+
+
+class FromSubmitMany:
+    """`submit`, `generate_many` and the async `generate` of an engine whose one way in is
+    ``submit_many(prompts, params)`` (one future per prompt)."""
+
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> Future[list[Completion]]:
+        return self.submit_many([prompt_ids], params)[0]  # type: ignore[attr-defined]
+
+    def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[Completion]]:
+        return [f.result() for f in self.submit_many(prompts, params)]  # type: ignore[attr-defined]
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        return await asyncio.wrap_future(self.submit(prompt_ids, params))

@@ -34,13 +34,20 @@ from typing import Any
 
 import torch
 
-from weir.engine.base import Completion, SamplingParams, SyncControl
+from weir.engine.base import (
+    Completion,
+    FromSubmitMany,
+    SamplingParams,
+    SyncControl,
+    params_per_prompt,
+    summed_stats,
+)
 from weir.engine.process_engine import ProcessEngine
 
 __all__ = ["LocalReplicas"]
 
 
-class LocalReplicas(SyncControl):
+class LocalReplicas(FromSubmitMany, SyncControl):
     """The `Engine` protocol (and the blocking control API the loop uses) over `replicas`.
 
     Args:
@@ -76,10 +83,7 @@ class LocalReplicas(SyncControl):
     ) -> list[Future[list[Completion]]]:
         """As `TorchEngine.submit_many`: one future per prompt. Each prompt goes to the least
         loaded replica; the prompts one replica receives are admitted there together."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params if params is not None else SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = params_per_prompt(params, len(prompts))
         groups: dict[int, list[int]] = {}
         seeded: list[SamplingParams] = []
         with self._lock:
@@ -124,23 +128,6 @@ class LocalReplicas(SyncControl):
         inner.add_done_callback(done)
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
         return outer
-
-    def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
-    ) -> Future[list[Completion]]:
-        return self.submit_many([prompt_ids], params)[0]
-
-    def generate_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[list[Completion]]:
-        return [f.result() for f in self.submit_many(prompts, params)]
-
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
-    ) -> list[Completion]:
-        return await asyncio.wrap_future(self.submit(prompt_ids, params))
 
     # -- every replica at once ---------------------------------------------------------------------
 
@@ -194,15 +181,7 @@ class LocalReplicas(SyncControl):
     def stats(self) -> dict[str, float]:
         """Every counter summed over the replicas, except ``busy_s``: their mean (a fraction of
         wall time when divided by it, as for one engine). ``replicas`` says how many."""
-        total: dict[str, float] = {}
-        each = self._each("stats")
-        for s in each:
-            for k, v in s.items():
-                total[k] = total.get(k, 0.0) + float(v)
-        if "busy_s" in total:
-            total["busy_s"] /= len(each)
-        total["replicas"] = float(len(each))
-        return total
+        return summed_stats(self._each("stats")) | {"replicas": float(len(self.replicas))}
 
     def state_dict(self) -> dict[str, Any]:
         """The seed stream and every replica's state (its own stream, its version), by index."""

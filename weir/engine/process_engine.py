@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from weir.config.devices import apply_backend_flags, backend_flags
-from weir.engine.base import Completion, SamplingParams, SyncControl
+from weir.engine.base import Completion, FromSubmitMany, SamplingParams, SyncControl
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}\n(in the engine process)\n{text}")
 
 
-class ProcessEngine(SyncControl):
+class ProcessEngine(FromSubmitMany, SyncControl):
     """A `TorchEngine` on `model` in a child process (see the module docstring).
 
     Args:
@@ -305,23 +305,6 @@ class ProcessEngine(SyncControl):
             params = list(params)
         prompts = [[int(t) for t in p] for p in prompts]
         return self._send("submit_many", (prompts, params), count=len(prompts))
-
-    def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
-    ) -> Future[list[Completion]]:
-        return self.submit_many([prompt_ids], params)[0]
-
-    def generate_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[list[Completion]]:
-        return [f.result() for f in self.submit_many(prompts, params)]
-
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
-    ) -> list[Completion]:
-        return await asyncio.wrap_future(self.submit(prompt_ids, params))
 
     # -- weights -----------------------------------------------------------------------------------
 

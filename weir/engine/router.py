@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weir.engine.base import Completion, SamplingParams, SyncControl
+from weir.engine.base import Completion, SamplingParams, SyncControl, summed_stats
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +228,7 @@ class Router(SyncControl):
     def stats(self) -> dict[str, float]:
         """Counters summed over the healthy replicas (busy_s: their mean), plus the router's
         retries and restarts."""
-        total: dict[str, float] = {}
-        each = self._each("stats")
-        for s in each:
-            for k, v in s.items():
-                total[k] = total.get(k, 0.0) + float(v)
-        if each:  # busy time as a fraction of wall time: the replicas' mean
-            total["busy_s"] /= len(each)
+        total = summed_stats(self._each("stats"))
         total["engine_retries"] = float(self.retries)
         total["engine_restarts"] = float(self.restarts)
         return total

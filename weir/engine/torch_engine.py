@@ -89,7 +89,7 @@ from transformers import PreTrainedModel
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.engine.admission import Admission
-from weir.engine.base import Completion, SamplingParams, SyncControl
+from weir.engine.base import Completion, SamplingParams, SyncControl, params_per_prompt
 from weir.engine.control import Control
 from weir.engine.decode import DecodeForward, Decoding
 from weir.engine.graphs import static_decode
@@ -304,10 +304,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         object for all prompts, every prompt uses the same random streams.) `visions`: each
         prompt's pixel inputs or None.
         """
-        if params is None or isinstance(params, SamplingParams):
-            params = [params if params is not None else SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = params_per_prompt(params, len(prompts))
         visions = list(visions) if visions is not None else [None] * len(prompts)
         futures: list[Future[list[Completion]]] = []
         reqs: list[Request] = []
