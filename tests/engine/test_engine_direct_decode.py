@@ -9,7 +9,7 @@ from engine_helpers import EOS, PAD, assert_parity, make_prompts
 from transformers import AutoModelForCausalLM
 
 from weir.engine import SamplingParams, TorchEngine
-from weir.engine.decode import DecodeForward
+from weir.engine.decode import DecodeForward, forwards_agree, logprob_gap
 from weir.tasks.tiny_archs import WINDOW, build_arch_model
 
 # Long enough that the sliding layers (window 8) drop keys while decoding.
@@ -145,3 +145,27 @@ def test_norms_run_as_one_call_only_where_that_gives_the_same_bits(arch_dirs, mo
     direct_out, used = generate(model, prompts, SAMPLING)
     assert used == 1.0  # the norms written out keep the direct forward exact
     assert_same(direct_out, generate(model, prompts, SAMPLING, direct_decode=False)[0])
+
+
+def test_the_direct_forward_must_be_exact_on_a_cpu_and_within_rounding_on_cuda():
+    """`forwards_agree` decides the first-step check: bit for bit on the CPU; on CUDA a difference
+    of bfloat16 rounding passes and a wrong forward's tenths of a nat do not (CPU tensors stand in
+    for CUDA ones: the rule reads only the device named)."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(8, 262, generator=g) * 3
+    rounded = ref.bfloat16().float()  # each logit one bfloat16 rounding away
+    wrong = ref + torch.randn(8, 262, generator=g)  # log-probs moved by about a nat
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert 0 < logprob_gap(rounded, ref) < 2e-2 < 0.1 < logprob_gap(wrong, ref)
+    assert forwards_agree(ref.clone(), ref, torch.bfloat16, cpu)
+    assert forwards_agree(ref.clone(), ref, torch.float32, cuda)
+    assert not forwards_agree(rounded, ref, torch.bfloat16, cpu)
+    assert forwards_agree(rounded, ref, torch.bfloat16, cuda)
+    assert not forwards_agree(wrong, ref, torch.bfloat16, cuda)
+    # float32 on CUDA with TF32 off allows float32 rounding only
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        assert not forwards_agree(rounded, ref, torch.float32, cuda)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

@@ -5,6 +5,8 @@ updates; and a fixed-shape step that differs is dropped after its first step."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from engine_helpers import EOS, PAD, assert_parity, make_prompts, wait_steps
@@ -156,3 +158,34 @@ def test_rotary_embeddings_that_rescale_from_positions_are_never_captured(arch_d
         assert not _static_rope(direct)
     direct.rotary.rope_type = {"full_attention": "default", "sliding_attention": "dynamic"}
     assert not _static_rope(direct)
+
+
+def test_sleep_and_an_idle_release_drop_the_fixed_shape_buffers(arch_dirs):
+    """The buffers (on CUDA, the graphs and their memory pool) point at the KV slabs: a sleep or an
+    idle release drops them with the slabs, and decoding afterwards builds them anew and gives the
+    same tokens (log-probs within rounding: the first generation's first steps ran the eager
+    forwards of the start-up checks)."""
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs["qwen3"]).eval()
+    prompts = make_prompts(4, 3, 10, seed=5)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    with TorchEngine(
+        model, eos_token_ids=[EOS], pad_token_id=PAD, cuda_graphs="eager", kv_idle_release_s=None
+    ) as engine:
+        static = engine._static
+        first = engine.generate_many(prompts, params)
+        assert static._entries and static._slabs is not None
+        engine.sleep_sync()
+        assert not static._entries and static._slabs is None
+        engine.wake_sync()
+        assert_close(engine.generate_many(prompts, params), first)
+        assert static._entries
+    with TorchEngine(
+        model, eos_token_ids=[EOS], pad_token_id=PAD, cuda_graphs="eager", kv_idle_release_s=0.05
+    ) as engine:
+        static = engine._static
+        assert_close(engine.generate_many(prompts, params), first)
+        deadline = time.monotonic() + 10
+        while engine.kv_stats()["kv_releases"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.kv_stats()["kv_releases"] >= 1
+        assert not static._entries and static._slabs is None

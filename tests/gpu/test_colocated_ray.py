@@ -80,6 +80,9 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
 
             return [[c.token_ids for c in group] for group in asyncio.run(go())]
 
+        # the first generation's first steps run the eager forwards of the engine's start-up
+        # checks (bf16 rounding apart from the graphs): compare two generations after those
+        generate()
         before = generate()
         awake = ray.get(engine.memory.remote())
         with router.asleep():
@@ -88,7 +91,6 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
             f"engine CUDA memory awake {awake['cuda'] / GB:.2f} GB, asleep {asleep['cuda'] / GB:.3f} GB"
         )
         assert awake["kv"] > 0 and asleep["kv"] == 0
-        assert asleep["cuda"] < 0.1 * awake["cuda"]  # weights and KV cache given back
         assert generate() == before
 
         with router.asleep():
@@ -113,5 +115,8 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
             }
             out = Path(os.environ["GPU_CHECK_OUT"]) / "colocated_ray.json"
             out.write_text(json.dumps(figures, indent=1))
+        # weights and KV cache given back (checked last, so that a failure here still lets the
+        # sync above run on the GPU)
+        assert asleep["cuda"] < 0.1 * awake["cuda"]
     finally:
         parts.shutdown()

@@ -14,9 +14,10 @@ own module, so rope scaling variants need no code here.
 Two guards keep the engine exact. `DecodeForward.build` only accepts a model whose every module is
 of the class this code mirrors, with no hooks on any module (a LoRA wrapper, a quantised linear, an
 offloading hook: anything else is left to the HF forward). And the engine compares the two forwards
-on its first decode step (`weir.engine.torch_engine`): unless the logits are bit-for-bit equal the
-direct path is dropped for good and the HF forward used instead (``stats()["decode_direct"]`` says
-which one runs).
+on its first decode step (`weir.engine.torch_engine`, `forwards_agree`): on the CPU unless the
+logits are bit-for-bit equal, on CUDA unless they agree within rounding, the direct path is
+dropped for good and the HF forward used instead (``stats()["decode_direct"]`` says which one
+runs).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from weir.config.devices import rounding_tolerance
 from weir.engine.masks import layer_masks
 
-__all__ = ["DecodeForward", "Decoding"]
+__all__ = ["DecodeForward", "Decoding", "forwards_agree", "logprob_gap"]
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,35 @@ class DecodeForward:
         return logits[:, -1, :].float()
 
 
+def logprob_gap(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    """A sampled token's log-prob error, nats: the mean over rows of
+    E_{v ~ p_ref} |log p(v) - log p_ref(v)| for logits [rows, vocab]. A mean over the sampling
+    distribution rather than a maximum, since a single bfloat16 logit may round a whole step
+    apart."""
+    lp, lp_ref = logits.float().log_softmax(-1), ref.float().log_softmax(-1)
+    return (lp_ref.exp() * (lp - lp_ref).abs()).sum(-1).mean().item()
+
+
+def forwards_agree(
+    fast: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether the direct decode forward's logits `fast` may stand in for the HF forward's `ref`.
+
+    On the CPU the two run the same kernels on the same tensors and must agree bit for bit. On
+    CUDA the same operation can take another kernel, with another summation order, for a tensor
+    of other strides (the direct forward's queries are a slice) or at another alignment, so they
+    agree within rounding: `logprob_gap` at most `rounding_tolerance`. (A Ray engine worker on an
+    H200 saw its bfloat16 forwards 0.0177 apart in the largest logit and fell back to the slower
+    HF forward; which kernel differed was not pinned down.) A structural error (a mask or a
+    rotation wrong) moves log-probs by tenths of a nat and is refused either way.
+    """
+    if torch.equal(fast, ref):
+        return True
+    if device.type != "cuda":
+        return False
+    return logprob_gap(fast, ref) <= rounding_tolerance(dtype, device)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -342,15 +372,16 @@ class Decoding:
         masks = layer_masks(mask, self._support, self._dtype if self._eager else None)
         fast = direct(ids, masks, pos, cache)  # writes the new KV column; HF's forward rewrites it
         logits = self._forward(ids, mask, pos, cache)
-        if torch.equal(fast, logits):
+        if forwards_agree(fast, logits, self._dtype, self._device):
             self._direct_checked = True
         else:
             self._direct = None
-            err = (fast - logits).abs().max().item()
             log.warning(
                 "weir engine: the direct decode forward differs from the model's own forward "
-                "(max |logit difference| %.3g) on %s; decoding through the HF forward instead",
-                err,
+                "(max |logit difference| %.3g, log-prob gap %.3g) on %s; decoding through the HF "
+                "forward instead",
+                (fast - logits).abs().max().item(),
+                logprob_gap(fast, logits),
                 type(self.model).__name__,
             )
         return logits
@@ -368,10 +399,7 @@ class Decoding:
             )
             # rewrites the KV column just written, with the eager step's values
             ref = self._direct(b.tok.unsqueeze(1), masks, b.pos.unsqueeze(1), b.cache)
-            # the mean over rows of E_{v ~ p}|log p'(v) - log p(v)|: a sampled token's log-prob
-            # error (a single bfloat16 logit may round a whole step apart)
-            lp, lp_ref = logits.log_softmax(-1), ref.log_softmax(-1)
-            err = (lp_ref.exp() * (lp - lp_ref).abs()).sum(-1).mean().item()
+            err = logprob_gap(logits, ref)
             if err <= rounding_tolerance(self._dtype, self._device):
                 self._static_checked = True
             else:

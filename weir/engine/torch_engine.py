@@ -100,7 +100,7 @@ from weir.engine.kv_budget import (
     measure_cell_bytes,
     resolve_budget,
 )
-from weir.engine.memory import EngineMemory, OffloadedWeights, return_cached_memory
+from weir.engine.memory import EngineMemory, OffloadedWeights
 from weir.engine.prefix_cache import PrefixCache
 from weir.engine.requests import Request, set_exception
 from weir.engine.scheduler import Scheduling
@@ -517,9 +517,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             self._cond.wait(left)
         elif self._step_lock.acquire(blocking=False):  # not while a control operation runs
             try:
-                b.release_cache()
-                self._drop_prefixes()
-                return_cached_memory(self._device)
+                self._release_memory()
             finally:
                 self._step_lock.release()
         else:

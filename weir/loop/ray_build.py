@@ -71,6 +71,7 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
                 seed=cfg.run.seed,
                 on_gpu=c.engines.gpus > 0,
                 cudnn_attention=cfg.model.cudnn_attention,
+                deterministic=cfg.run.deterministic,
             )
             for i in range(c.engines.replicas)
         ]
