@@ -25,21 +25,13 @@ if not torch.cuda.is_available():
 print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
 PYEOF
 
-# Wheels cut into parts by gpu_wheels.sh (carried in several transfers): join them and check the
-# SHA-256 before installing.
-if compgen -G "$WHEELS.part1/*.sha256" >/dev/null; then
-  for sum in "$WHEELS".part1/*.sha256; do
-    name=$(basename "$sum" .sha256)
-    ls "$WHEELS".part*/"$name".part-* | awk -F/ '{print $NF "\t" $0}' | sort | cut -f2 \
-      | xargs cat >"$WHEELS/$name"
-    if [ "$(sha256sum "$WHEELS/$name" | awk '{print $1}')" != "$(cat "$sum")" ]; then
-      echo "gpu_check: $name joined from $(ls "$WHEELS".part*/"$name".part-* | wc -l) parts does not match its SHA-256; a part is missing: carry every $WHEELS.part<k>" >&2
-      rm -f "$WHEELS/$name"
-      exit 2
-    fi
-    echo "gpu_check: joined $name from its parts"
-  done
-fi
+# Packages carried unpacked and packed again (gpu_wheels.sh makes Ray's so, to fit a transfer)
+for archive in "$WHEELS"/*.tar.xz; do
+  [ -e "$archive" ] || continue
+  mkdir -p "$SITE"
+  tar -C "$SITE" -xJf "$archive"
+  echo "gpu_check: unpacked $(basename "$archive") into $SITE"
+done
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -23,40 +23,26 @@ for name in "${NAMES[@]}"; do
     --platform manylinux2014_x86_64 -d "$DIR" "$name==$version" \
     || "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR" "$name==$version"
 done
-# Ray and everything it depends on, for the colocated Ray run (tests/gpu/test_colocated_ray.py,
-# benchmarks/gpu_step.py --ray); GPU_WHEELS_RAY=0 leaves it out
+# Ray, for the colocated Ray run (tests/gpu/test_colocated_ray.py, benchmarks/gpu_step.py --ray);
+# GPU_WHEELS_RAY=0 leaves it out. Its wheel (79 MB) is more than a 64 MiB transfer takes, so it is
+# unpacked without the parts weir never imports (Java jars, RLlib, Data, Serve, LLM) and packed
+# again as ray-VERSION.tar.xz (about 30 MB), which gpu_check.sh unpacks into its site directory.
+# Its dependencies a torch image lacks come as wheels; the rest (click, filelock, msgpack,
+# protobuf, requests, aiohttp) are already there.
 if [ "${GPU_WHEELS_RAY:-1}" != 0 ]; then
   if version=$("$PY" -c "import importlib.metadata as m; print(m.version('ray'))" 2>/dev/null); then
-    "$PY" -m pip download -q --only-binary=:all: --python-version "$PY_VERSION" \
+    tmp=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d "$DIR" "ray==$version" \
-      || echo "gpu_wheels: could not download ray $version and its dependencies" >&2
+      --platform manylinux2014_x86_64 -d "$tmp" "ray==$version" \
+      jsonschema jsonschema-specifications referencing rpds-py
+    mv "$tmp"/jsonschema*.whl "$tmp"/referencing*.whl "$tmp"/rpds_py*.whl "$DIR"/
+    mkdir "$tmp/site"
+    (cd "$tmp/site" && unzip -q "$tmp"/ray-*.whl && rm -rf ray/jars ray/rllib ray/data ray/serve ray/llm)
+    tar -C "$tmp/site" -cf - . | xz -6 -T0 >"$DIR/ray-$version.tar.xz"
+    rm -rf "$tmp"
   else
     echo "gpu_wheels: ray is not installed in $PY; skipped" >&2
   fi
 fi
-# A machine that receives at most so much per transfer (64 MiB on the tool this kit was first run
-# with) gets the wheels in several: a wheel larger than GPU_WHEELS_PART_MB (default 40) is cut into
-# parts, part k in DIR.part<k>/ with its SHA-256, and gpu_check.sh joins and checks them. Carry DIR in
-# one transfer and each DIR.part<k> in its own, to the same checkout; GPU_WHEELS_PART_MB=0 cuts none.
-PART_MB=${GPU_WHEELS_PART_MB:-40}
-rm -rf "$DIR".part*
-if [ "$PART_MB" != 0 ]; then
-  for whl in "$DIR"/*.whl; do
-    size=$(stat -c %s "$whl")
-    [ "$size" -gt $((PART_MB * 1024 * 1024)) ] || continue
-    name=$(basename "$whl")
-    tmp=$(mktemp -d)
-    split -b "${PART_MB}M" -d -a 2 "$whl" "$tmp/$name.part-"
-    k=1
-    for part in "$tmp"/*; do
-      mkdir -p "$DIR.part$k"
-      mv "$part" "$DIR.part$k/"
-      k=$((k + 1))
-    done
-    sha256sum "$whl" | awk '{print $1}' >"$DIR.part1/$name.sha256"
-    rm -rf "$tmp" "$whl"
-    echo "gpu_wheels: $name ($((size / 1024 / 1024)) MiB) cut into $((k - 1)) parts in $DIR.part1..$((k - 1))"
-  done
-fi
-ls "$DIR" "$DIR".part* 2>/dev/null
+ls -l "$DIR"
