@@ -16,8 +16,10 @@ demo: setup
 	$(VENV)/bin/weir demo
 
 # Two workers, one per core (every test uses one torch thread); whole files stay on one worker, so
-# module-scoped servers and Ray start once per file.
-test: setup setup-vllm
+# module-scoped servers and Ray start once per file. The two environments are built side by side
+# (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
+test:
+	$(MAKE) --no-print-directory -j2 setup setup-vllm
 	$(PY) -m pytest -q -rs -n 2 --dist loadfile --durations=15
 
 test-fast: setup
