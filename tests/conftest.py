@@ -32,5 +32,13 @@ def ray_local(_ray_session):
     from weir.cluster.ray_cluster import driver_env
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=driver_env())
+        # "local": never the Ray another test worker started (tests/cluster/test_two_nodes.py's
+        # cluster is the machine's latest while it runs, and ray.init(address=None) would join it)
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=driver_env(),
+        )
     return ray

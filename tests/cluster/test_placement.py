@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import ray
 
@@ -62,3 +66,27 @@ def test_unplaceable_bundles_name_the_section(ray_local):
     cfg = _cluster_cfg("cluster.trainer.ranks=2", "cluster.trainer.cpus_per_rank=64")
     with pytest.raises(ValueError, match="cluster.trainer: Ray cannot place"):
         RayCluster(cfg).start(timeout_s=2)
+
+
+START_OWN_RAY = """
+import ray
+from weir.cluster import RayCluster
+from weir.config import build_config
+
+cfg = build_config({"data": {"task": "arithmetic"}}, ["cluster.type=ray", "cluster.num_cpus=3"])
+cluster = RayCluster(cfg.cluster).start()
+print("own ray:", len(ray.nodes()), ray.cluster_resources()["CPU"])
+cluster.shutdown()
+"""
+
+
+def test_without_an_address_a_run_starts_its_own_ray_whatever_else_this_machine_runs():
+    """cluster.address unset: weir starts a Ray of its own with cluster.num_cpus, even where
+    RAY_ADDRESS names another (there, or another run's Ray as the machine's latest, ray.init would
+    join it and then refuse num_cpus)."""
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9"}  # nothing listens there
+    out = subprocess.run(
+        [sys.executable, "-c", START_OWN_RAY], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "own ray: 1 3.0" in out.stdout

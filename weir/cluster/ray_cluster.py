@@ -53,6 +53,9 @@ class RayCluster:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"address": self.cfg.address, "log_to_driver": True}
             if self.cfg.address is None:  # a Ray of our own: its workers import what we import
+                # "local", not None: None would join whatever Ray this machine last started (another
+                # run's, a `ray start`), or RAY_ADDRESS, and then refuse num_cpus
+                kwargs["address"] = "local"
                 kwargs["num_cpus"] = self.cfg.num_cpus
                 kwargs["include_dashboard"] = False
                 kwargs["runtime_env"] = driver_env()
