@@ -69,6 +69,16 @@ def set_cudnn_attention(device: torch.device, enabled: bool) -> bool:
     return True
 
 
+def choose_backends(device: torch.device, *, deterministic: bool, cudnn_attention: bool) -> bool:
+    """The backend settings every process of a run that computes on `device` takes, trainer rank
+    or engine (a process starts from torch's defaults): TF32 matmuls on CUDA unless the run is
+    deterministic (`enable_tf32`), cuDNN attention only when asked (`set_cudnn_attention`).
+    Returns whether TF32 was turned on."""
+    tf32 = enable_tf32(device, deterministic=deterministic)
+    set_cudnn_attention(device, cudnn_attention)
+    return tf32
+
+
 def enable_tf32(device: torch.device, *, deterministic: bool) -> bool:
     """Let float32 matmuls and convolutions use TF32 tensor cores on CUDA (Ampere and newer).
 

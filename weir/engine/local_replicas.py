@@ -43,6 +43,7 @@ from weir.engine.base import (
     summed_stats,
 )
 from weir.engine.process_engine import ProcessEngine
+from weir.engine.router import least_loaded
 
 __all__ = ["LocalReplicas"]
 
@@ -91,7 +92,7 @@ class LocalReplicas(FromSubmitMany, SyncControl):
                 if sp.seed is None:
                     sp = dataclasses.replace(sp, seed=self._rng.getrandbits(64))
                 seeded.append(sp)
-                i = min(range(len(self.replicas)), key=lambda j: (self.outstanding[j], j))
+                i = least_loaded(self.outstanding)
                 self.outstanding[i] += 1
                 groups.setdefault(i, []).append(k)
         futures: list[Future[list[Completion]] | None] = [None] * len(prompts)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from weir.config.devices import enable_tf32, resolve_dtype, set_cudnn_attention
+from weir.config.devices import choose_backends, resolve_dtype
 from weir.config.sections import EngineConfig
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.kv_budget import kv_options
@@ -35,9 +35,7 @@ class EngineWorker:
         deterministic: the run's `run.deterministic`; TF32 matmuls stay off when it is set.
 
     A Ray worker is a fresh process with torch's default backend settings, so it chooses them
-    here as a trainer rank does (`weir.train.precision.setup_device`): TF32 on CUDA unless the run
-    is deterministic, cuDNN attention only when asked. The engine in the driver's process runs
-    under the same settings.
+    as a trainer rank does (`weir.config.devices.choose_backends`).
     """
 
     def __init__(
@@ -55,8 +53,7 @@ class EngineWorker:
         torch.set_num_threads(1)
         self.index = index
         device = torch.device("cuda" if on_gpu else "cpu")
-        enable_tf32(device, deterministic=deterministic)
-        set_cudnn_attention(device, cudnn_attention)
+        choose_backends(device, deterministic=deterministic, cudnn_attention=cudnn_attention)
         dtype = resolve_dtype(engine.dtype, device)
         model, tokenizer, eos_ids = load(model_path, dtype)
         model = model.to(device).eval()

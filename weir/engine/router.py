@@ -33,8 +33,11 @@ class NoEngineAvailable(RuntimeError):
     """Every replica is down and none came back in time."""
 
 
-def least_loaded(outstanding: list[int], healthy: list[bool]) -> int | None:
-    """The healthy replica with the fewest requests outstanding (lowest index on a tie), or None."""
+def least_loaded(outstanding: list[int], healthy: list[bool] | None = None) -> int | None:
+    """The healthy replica with the fewest requests outstanding (lowest index on a tie), or None.
+    `healthy` None: every replica is."""
+    if healthy is None:
+        healthy = [True] * len(outstanding)
     live = [i for i, ok in enumerate(healthy) if ok]
     return min(live, key=lambda k: (outstanding[k], k)) if live else None
 

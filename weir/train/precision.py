@@ -16,12 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weir.config.devices import (
-    enable_tf32,
-    resolve_device,
-    resolve_dtype,
-    set_cudnn_attention,
-)
+from weir.config.devices import choose_backends, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +68,10 @@ def setup_device(
     when asked (`set_cudnn_attention`)."""
     if precision.device.type == "cuda":
         torch.cuda.set_device(precision.device)
-    if enable_tf32(precision.device, deterministic=deterministic):
+    if choose_backends(
+        precision.device, deterministic=deterministic, cudnn_attention=cudnn_attention
+    ):
         log.info("TF32 matmuls enabled on %s", precision.device)
-    set_cudnn_attention(precision.device, cudnn_attention)
 
 
 def compute_device(model: torch.nn.Module) -> torch.device:
