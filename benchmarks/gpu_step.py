@@ -341,6 +341,11 @@ def grpo_run(shape: str, steps: int, device: torch.device, ray: bool, out_dir: P
         "mismatch_abs_logp_diff_max": max(
             (h.get("mismatch/abs_logp_diff", 0.0) for h in steps_done), default=None
         ),
+        "decode_path_last": {
+            k: steps_done[-1].get(f"engine/{k}") for k in ("decode_direct", "decode_graphs")
+        }
+        if steps_done
+        else None,
         "sync_gb": steps_done[-1].get("sync/mb", 0.0) / 1024 if steps_done else None,
         "sync_s_per_gb": sorted(
             h["time/sync"] / (h["sync/mb"] / 1024) for h in steps_done if h.get("sync/mb")

@@ -142,3 +142,19 @@ def apply_backend_flags(flags: dict[str, Any]) -> None:
     torch.use_deterministic_algorithms(
         flags["deterministic"], warn_only=flags["deterministic_warn_only"]
     )
+
+
+def release_cached_memory(device: torch.device, *, workspaces: bool = True) -> None:
+    """Give this process's idle CUDA memory on `device` back to the device (no-op elsewhere): the
+    blocks torch's caching allocator keeps and, with `workspaces`, cuBLAS's workspaces. Those are
+    32 MiB per handle and stream on a Hopper GPU and count as allocated: without this an offloaded
+    trainer rank kept 65 MiB, a sleeping engine 132 MiB (H200, torch 2.11). cuBLAS allocates them
+    again on its next call. Clear them only when no other thread of this process computes on the
+    device, and after dropping any CUDA graph captured with one."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if workspaces and clear is not None:
+        clear()
+    torch.cuda.empty_cache()

@@ -359,8 +359,9 @@ class Decoding:
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
     ) -> torch.Tensor:
         """`_forward` for a decode step, through `DecodeForward` once it has been seen to give the
-        HF forward's logits bit for bit (checked on the first decode step; any difference and the
-        HF forward is used from then on)."""
+        HF forward's logits (`forwards_agree`: bit for bit on a CPU, within rounding on CUDA;
+        checked on the first decode step, and if they differ the HF forward is used from then
+        on)."""
         direct = self._direct
         if direct is None:
             return self._forward(ids, mask, pos, cache)

@@ -13,7 +13,9 @@ import asyncio
 
 import torch
 
-__all__ = ["EngineMemory", "OffloadedWeights", "offload_parameters", "return_cached_memory"]
+from weir.config.devices import release_cached_memory
+
+__all__ = ["EngineMemory", "OffloadedWeights", "offload_parameters"]
 
 
 class OffloadedWeights:
@@ -46,12 +48,6 @@ def offload_parameters(module: torch.nn.Module) -> OffloadedWeights:
         saved.append((param, host, device))
         param.data = torch.empty(0, dtype=param.dtype, device=device)
     return OffloadedWeights(saved)
-
-
-def return_cached_memory(device: torch.device) -> None:
-    """Hand the memory torch's CUDA allocator keeps cached back to the device (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class EngineMemory:
@@ -100,17 +96,18 @@ class EngineMemory:
                 self._stale_kv = True
             if offload_weights:
                 self._offloaded = offload_parameters(self.model)
-            self._release_memory()
+            self._release_memory(workspaces=True)
 
-    def _release_memory(self) -> None:
-        """Drop the KV slabs, the prefix cache and the decode graphs, and hand the cached memory
-        back to the device. The graphs' memory pool holds each row bucket's intermediates (132 MiB
-        for a 0.5B-shaped model on an H200) and they point at the slabs just dropped."""
+    def _release_memory(self, *, workspaces: bool = False) -> None:
+        """Drop the KV slabs, the prefix cache and the decode graphs (they point at the slabs, and
+        their memory pool holds each row bucket's intermediates), and hand the cached memory back
+        to the device; with `workspaces`, cuBLAS's too (`release_cached_memory`: only when
+        nothing else of this process computes, as when the engine sleeps for the trainer)."""
         self._batch.release_cache()
         self._drop_prefixes()
         if self._static is not None:
             self._static.reset()
-        return_cached_memory(self._device)
+        release_cached_memory(self._device, workspaces=workspaces)
 
     def wake_sync(self) -> None:
         """Undo `sleep_sync`: weights back in place (the same values), decoding resumes."""

@@ -15,6 +15,7 @@ import torch
 from weir.buffer import BufferClosed, StalenessBuffer
 from weir.config import Config
 from weir.loop.components import Components, build
+from weir.loop.engine_load import EngineLoad
 from weir.loop.engine_memory import engine_asleep
 from weir.loop.producer import RolloutProducer
 from weir.loop.run import Run, RunError
@@ -168,29 +169,3 @@ def drain(engine, timeout: float | None = None) -> dict[str, float]:
     with span("drain", cat="idle"):
         done = engine.drain_sync(timeout)
     return {"time/drain": time.perf_counter() - start, "async/drain_timeouts": float(not done)}
-
-
-class EngineLoad:
-    """Between two calls of `sample()`: the fraction of wall time the engine was idle, and (built-in
-    engine) the tokens it prefilled again to rebuild the KV of responses in flight across a weight
-    update (`engine.kv_on_update=recompute`) and those it did not prefill because a prefix shared
-    by the sequences of one prefill was computed once."""
-
-    COUNTERS = ("recomputed_tokens", "shared_prefix_tokens")
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        stats = engine.stats()
-        self.t, self.busy = time.perf_counter(), stats["busy_s"]
-        self.counts = {k: stats[k] for k in self.COUNTERS if k in stats}
-
-    def sample(self) -> dict[str, float]:
-        stats = self.engine.stats()
-        now, busy = time.perf_counter(), stats["busy_s"]
-        span, used = now - self.t, busy - self.busy
-        self.t, self.busy = now, busy
-        out = {"engine/idle_frac": max(0.0, 1.0 - used / span)} if span > 0 else {}
-        for key, last in self.counts.items():
-            out[f"engine/{key}"] = max(0.0, float(stats[key] - last))
-            self.counts[key] = stats[key]
-        return out

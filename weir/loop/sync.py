@@ -10,6 +10,7 @@ from pathlib import Path
 
 from weir.config import Config
 from weir.loop.components import Components, build
+from weir.loop.engine_load import decode_path
 from weir.loop.engine_memory import engine_asleep
 from weir.loop.resume import say
 from weir.loop.run import Run, RunError
@@ -58,7 +59,8 @@ def run_sync(
                 stats = parts.trainer.train(batch, critic=parts.critic)
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}
-            run.log(step, gen, batch.metrics, stats, sync, evals)
+            path = decode_path(parts.engine.stats())
+            run.log(step, gen, batch.metrics, stats, sync, path, evals)
             run.checkpoint(parts, step)
         return finish(run, parts)
     finally:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from weir.config.devices import release_cached_memory
+
 
 def _nbytes(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -52,6 +54,5 @@ def move_trainer(
     if optimizer is not None:
         moved += move_optimizer_state(optimizer, device)
     if device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        release_cached_memory(torch.device("cuda", torch.cuda.current_device()))
     return moved
