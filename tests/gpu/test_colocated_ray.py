@@ -96,9 +96,16 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
         with router.asleep():
             stats = trainer.train(make_batch(toy_groups(), version=0))
         assert stats["train/grad_norm"] > 0
-        offloaded = ray.get(rank0.device_memory.remote())["allocated"]
-        print(f"trainer rank CUDA memory after its step (offloaded again): {offloaded / GB:.3f} GB")
+        # after the step the rank keeps its float32 parameters (not the AdamW state, not the
+        # gradients) for the sync, which offloads them
+        after_step = ray.get(rank0.device_memory.remote())["allocated"]
+        params_bytes = sum(f.stat().st_size for f in half_b_dir.glob("*.safetensors"))
         timings = [sync.push(v) for v in (1, 2, 3)]
+        offloaded = ray.get(rank0.device_memory.remote())["allocated"]
+        print(
+            f"trainer rank CUDA memory after its step {after_step / GB:.3f} GB (float32 weights "
+            f"{params_bytes / GB:.3f} GB), after the syncs {offloaded / GB:.3f} GB"
+        )
         assert sync._shared == [0] and not sync._members  # CUDA IPC, no NCCL group
         gb = timings[-1]["sync/mb"] / 1024
         per_gb = sorted(t["time/sync"] / gb for t in timings[1:])
@@ -113,6 +120,7 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
                 "sync_s_per_gb": per_gb,
                 "engine_cuda_gb_awake": awake["cuda"] / GB,
                 "engine_cuda_gb_asleep": asleep["cuda"] / GB,
+                "trainer_cuda_gb_after_step": after_step / GB,
                 "trainer_cuda_gb_offloaded": offloaded / GB,
             }
             out = Path(os.environ["GPU_CHECK_OUT"]) / "colocated_ray.json"
@@ -120,6 +128,7 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
         # weights, KV cache and the trainer's state given back (checked last, so that a failure
         # here still lets the sync above run on the GPU)
         assert asleep["cuda"] < 0.1 * awake["cuda"]
+        assert after_step < 1.25 * params_bytes
         assert offloaded < 0.05 * GB
     finally:
         parts.shutdown()

@@ -60,13 +60,16 @@ class SyncTrainerRank(TrainerRank):
         return rank
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        """Train on the device; colocated, the parameters, gradients and optimizer state live in
-        host memory before and after (`offload`)."""
+        """Train on the device; colocated, the parameters and optimizer state live in host memory
+        before. After it the optimizer state leaves at once and the parameters stay for the
+        weight sync that follows, which reads them on the device and then offloads them
+        (`stream`): otherwise every step would move the float32 parameters to the host and back
+        only to read them."""
         self.onload()
         try:
             return super().train(batch)
         finally:
-            self.offload()
+            self.offload(keep_params=True)
 
     def _on_device(self, method: str, *args: Any) -> Any:
         self.onload()
@@ -97,14 +100,18 @@ class SyncTrainerRank(TrainerRank):
     def save_hf(self, out: str, bucket_mb: float) -> list[str]:
         return self._on_device("save_hf", out, bucket_mb)
 
-    def offload(self) -> int:
-        """Colocated on a GPU: move the shards, gradients and optimizer state to host memory (a
-        weight sync still works: it moves each shard to the device as it gathers it). Returns the
-        bytes moved; 0 when not colocated or on the CPU."""
+    def offload(self, *, keep_params: bool = False) -> int:
+        """Colocated on a GPU: move the parameter shards (unless `keep_params`), the reference
+        model's and the optimizer state to host memory, and free the gradients (the next step
+        zeroes them before its backward, so moving them would copy dead values both ways). A
+        weight sync works either way: it moves each offloaded shard to the device as it gathers
+        it. Returns the bytes moved; 0 when not colocated or on the CPU."""
         if not self._offloads or self.actor is None:
             return 0
         a = self.actor
-        return move_trainer([a.model, a.ref], a.optimizer, torch.device("cpu"))
+        a.optimizer.zero_grad(set_to_none=True)
+        modules = [a.ref] if keep_params else [a.model, a.ref]
+        return move_trainer(modules, a.optimizer, torch.device("cpu"))
 
     def onload(self) -> int:
         """Undo `offload` (before training); returns the bytes moved."""
@@ -162,22 +169,25 @@ class SyncTrainerRank(TrainerRank):
             self._sharded(), buckets, device, root=root, shareable=root and bool(shared)
         )
         error: Exception | None = None
-        for flat in gathered:
-            if flat is None or error is not None:
-                continue  # after a failed send rank 0 still takes part in the gathers
-            try:
-                if self._group is not None:
-                    self._group.send_flat(flat)
-                if shared:
-                    if flat.is_cuda:
-                        torch.cuda.current_stream(flat.device).synchronize()
-                    handle = share(flat)
-                    refs = [e.put_shared.remote(handle, version) for e in shared]
-                    ray.get(refs, timeout=HANDLE_TIMEOUT_S)
-            except Exception as err:  # an engine died: the driver retries with the live ones
-                error = err
-            sent += flat.numel() * flat.element_size()
-            del flat
+        try:
+            for flat in gathered:
+                if flat is None or error is not None:
+                    continue  # after a failed send rank 0 still takes part in the gathers
+                try:
+                    if self._group is not None:
+                        self._group.send_flat(flat)
+                    if shared:
+                        if flat.is_cuda:
+                            torch.cuda.current_stream(flat.device).synchronize()
+                        handle = share(flat)
+                        refs = [e.put_shared.remote(handle, version) for e in shared]
+                        ray.get(refs, timeout=HANDLE_TIMEOUT_S)
+                except Exception as err:  # an engine died: the driver retries with the live ones
+                    error = err
+                sent += flat.numel() * flat.element_size()
+                del flat
+        finally:
+            self.offload()  # the parameters `train` left on the device for this sync
         if error is not None:
             raise RuntimeError(f"weight sync: delivery failed ({error})")
         return sent

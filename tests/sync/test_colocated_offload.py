@@ -1,0 +1,72 @@
+"""A colocated trainer rank on a GPU moves its state to host memory between steps; what moves when.
+
+Run here in one process (a gloo group of one rank) with the offload switched on and the moves
+recorded: on a CPU there is no second memory to move to (tests/gpu/test_colocated_ray.py measures
+the device memory on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import weir.sync.endpoints as endpoints
+from tests.toy import toy_groups
+from weir.config import build_config
+from weir.sync.broadcast import plan_buckets
+from weir.sync.endpoints import SyncTrainerRank
+from weir.train.batch import make_batch
+from weir.train.distributed import RankSettings, free_port
+
+
+@pytest.fixture
+def recorded_rank(tiny_model_dir, monkeypatch):
+    cfg = build_config(
+        {},
+        [
+            "rollout.batch_prompts=2",
+            "rollout.n=4",
+            "train.lr=1e-5",
+            "algo.kl.coef=0.01",  # a reference model too
+            "cluster.type=ray",
+            "cluster.colocate=true",
+        ],
+    )
+    rank = SyncTrainerRank(RankSettings.from_config(cfg), str(tiny_model_dir), 0, 1)
+    moves: list[list[str]] = []
+
+    def record(modules, optimizer, device: torch.device) -> int:
+        """The modules moved, by name, plus "optimizer" (device: the CPU either way here)."""
+        names = {id(rank.actor.model): "model", id(rank.actor.ref): "ref"}
+        moves.append(
+            [names[id(m)] for m in modules if m is not None] + ["optimizer"] * bool(optimizer)
+        )
+        return 0
+
+    monkeypatch.setattr(SyncTrainerRank, "_offloads", property(lambda self: True))
+    monkeypatch.setattr(endpoints, "move_trainer", record)
+    rank.setup("127.0.0.1", free_port())
+    try:
+        yield rank, moves
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parameters_stay_on_the_device_from_train_to_the_end_of_the_weight_sync(recorded_rank):
+    rank, moves = recorded_rank
+    assert moves == [["model", "ref", "optimizer"]]  # set up offloaded: the engines start
+    moves.clear()
+
+    stats = rank.train(make_batch(toy_groups(), version=0))
+    assert stats["train/grad_norm"] > 0
+    # all on the device for the step; then the reference and the optimizer state leave, and the
+    # parameters stay for the sync
+    assert moves == [["model", "ref", "optimizer"], ["ref", "optimizer"]]
+    # the gradients are freed rather than moved: the next step zeroes them before its backward
+    assert all(p.grad is None for p in rank.actor.model.parameters())
+    moves.clear()
+
+    buckets = plan_buckets(rank.layout("bfloat16"), 2**20)
+    sent = rank.stream(buckets, [], version=1)
+    assert sent == sum(m.nbytes for bucket in buckets for m in bucket)
+    assert moves == [["model", "ref", "optimizer"]]  # the sync read them; now they leave
