@@ -159,38 +159,45 @@ class SyncTrainerRank(TrainerRank):
     def stream(self, buckets: list[list[TensorMeta]], shared: list[Any], version: int) -> int:
         """Collective over the trainer ranks: gather bucket after bucket from the shards; rank 0
         broadcasts each to its group and hands it to the engine actors in `shared` (same device) by
-        memory handle, waiting until they copied it. Returns the bytes rank 0 delivered."""
-        import ray
-
-        device = torch.device(self.device)
+        memory handle, waiting until they copied it. Returns the bytes rank 0 delivered. Offloads
+        the parameters `train` left on the device for it, also on error."""
         root = self.rank == 0
         sent = 0
-        gathered = gather_buckets(
-            self._sharded(), buckets, device, root=root, shareable=root and bool(shared)
-        )
         error: Exception | None = None
         try:
-            for flat in gathered:
+            for flat in gather_buckets(
+                self._sharded(),
+                buckets,
+                torch.device(self.device),
+                root=root,
+                shareable=root and bool(shared),
+            ):
                 if flat is None or error is not None:
                     continue  # after a failed send rank 0 still takes part in the gathers
                 try:
-                    if self._group is not None:
-                        self._group.send_flat(flat)
-                    if shared:
-                        if flat.is_cuda:
-                            torch.cuda.current_stream(flat.device).synchronize()
-                        handle = share(flat)
-                        refs = [e.put_shared.remote(handle, version) for e in shared]
-                        ray.get(refs, timeout=HANDLE_TIMEOUT_S)
+                    self._deliver(flat, shared, version)
                 except Exception as err:  # an engine died: the driver retries with the live ones
                     error = err
                 sent += flat.numel() * flat.element_size()
                 del flat
         finally:
-            self.offload()  # the parameters `train` left on the device for this sync
+            self.offload()
         if error is not None:
             raise RuntimeError(f"weight sync: delivery failed ({error})")
         return sent
+
+    def _deliver(self, flat: torch.Tensor, shared: list[Any], version: int) -> None:
+        """One bucket to the broadcast group and, by memory handle, to the engines in `shared`."""
+        import ray
+
+        if self._group is not None:
+            self._group.send_flat(flat)
+        if shared:
+            if flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
+            handle = share(flat)
+            refs = [e.put_shared.remote(handle, version) for e in shared]
+            ray.get(refs, timeout=HANDLE_TIMEOUT_S)
 
     def gather(self) -> list[TensorMeta]:
         """Collective: rank 0 keeps the full weights (host memory) until `release` and returns their
