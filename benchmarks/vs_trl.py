@@ -29,7 +29,8 @@ alternate within a round, and the order rotates between rounds, so machine load 
 The first step of every run is a warm-up and not counted, nor is weir's last step (it also runs
 the final evaluation). weir async runs with loop.max_staleness=1. Printed: median s/step per run,
 the TRL/weir ratio per round (its range over rounds), reward per step (mean and standard error over
-every step), and fairness checks counted inside each process by the same function of the same ids
+every step; for async sides also by policy version, each async step beside the TRL step that
+samples the same version), and fairness checks counted inside each process by the same function of the same ids
 (model tokens per step, prompt tokens per sample, model turns, tool calls, tool errors and
 observation tokens per episode), and optimizer updates per step (a hook on every torch optimizer).
 
@@ -80,6 +81,7 @@ N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
+STALENESS = 1  # weir async's loop.max_staleness
 MODES = [
     "sync",
     "async",
@@ -223,7 +225,7 @@ def weir_worker(spec: dict) -> dict:
         "train": {"lr": LR, "grad_clip": 1.0, "mini_batches": 1, "epochs": 1},
         "loop": {
             "mode": spec["mode"].split("-")[0],
-            "max_staleness": 1,
+            "max_staleness": STALENESS,
             "on_weight_update": "finish" if "finish" in spec["mode"] else "continue",
         },
         "engine": {
@@ -563,6 +565,21 @@ def pooled(runs: list[dict]) -> tuple[float, float]:
     return statistics.mean(xs), statistics.stdev(xs) / len(xs) ** 0.5
 
 
+def aligned(
+    runs: list[dict], sync_runs: list[dict]
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """`pooled` of async `runs` and of synchronous `sync_runs` (TRL), each step set beside the one
+    that samples the same policy version: an async step t + STALENESS trains on samples of the
+    policy a synchronous step t samples from (almost all of them: staleness/mean was 0.8-1.0 on
+    C), so on a rising reward curve the async side's reward per step lags by STALENESS steps
+    without learning any worse."""
+    lag = STALENESS
+    return (
+        pooled([{"reward": r["reward"][lag:]} for r in runs]),
+        pooled([{"reward": r["reward"][:-lag]} for r in sync_runs]),
+    )
+
+
 def compare(mine: tuple[float, float], theirs: tuple[float, float]) -> str:
     gap, se = mine[0] - theirs[0], (mine[1] ** 2 + theirs[1] ** 2) ** 0.5
     if abs(gap) <= 2 * se:
@@ -621,12 +638,20 @@ def report(results, args, sides, trl_sides, load0) -> None:
                 ok = min(ratios) >= target
                 tgt_txt = f">= {target:.0f}x: {'MET' if ok else 'NOT MET'}"
                 mine, theirs = pooled(runs), pooled(trl_all)
-                verdicts.append(
+                verdict = (
                     f"{wl} {side}: {ratio_txt}x TRL's speed (target {target:.0f}x, "
                     f"{'met' if ok else 'not met'}); reward/step {mine[0]:.3f} +- {mine[1]:.3f} vs "
                     f"TRL {theirs[0]:.3f} +- {theirs[1]:.3f} (mean +- s.e. over all steps): "
                     f"{compare(mine, theirs)}"
                 )
+                if side.startswith("weir-async"):
+                    mine, theirs = aligned(runs, trl_all)
+                    verdict += (
+                        f"; by policy version (its step t+{STALENESS} beside TRL's step t: samples "
+                        f"of the same policy) {mine[0]:.3f} +- {mine[1]:.3f} vs {theirs[0]:.3f} +- "
+                        f"{theirs[1]:.3f}: {compare(mine, theirs)}"
+                    )
+                verdicts.append(verdict)
             print(
                 f"| {wl} | {side} | {span_of(sps)} | {ratio_txt} | {tgt_txt} | {span_of(rewards)} | "
                 f"{span_of(gen)} | {span_of(ep['prompt_tokens'])} | {span_of(ep['turns'])} | "
