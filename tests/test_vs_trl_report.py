@@ -69,3 +69,22 @@ def test_verdict_prints_the_ratio_range_and_the_target(vs_trl, capsys):
     assert "target: B weir-sync: 1.92-2.00x TRL's speed (target 2x, not met)" in out
     assert "| B | weir-sync | 1.00-1.25 | 1.92-2.00 | >= 2x: NOT MET |" in out
     assert "TRL 1/2, ratios against the faster" in out
+
+
+def test_async_reward_is_also_set_beside_the_trl_step_of_the_same_policy(vs_trl, capsys):
+    """An async step t+1 trains on samples of the policy TRL's step t samples (max_staleness 1):
+    on a rising curve its reward per step trails by one step, and aligned it matches."""
+    rising = [0.1, 0.2, 0.3, 0.4]
+    trl, weir = run(2.0), run(0.5)
+    trl["reward"], weir["reward"] = rising, [0.1, 0.1, 0.2, 0.3]  # the same curve, a step late
+    (mine, mine_se), (theirs, theirs_se) = vs_trl.aligned([weir], [trl])
+    assert mine == pytest.approx(0.2) and theirs == pytest.approx(0.2)  # steps 2-4 vs 1-3
+    assert mine_se == pytest.approx(theirs_se) == pytest.approx(0.1 / 3**0.5)
+
+    results = {("A", "trl"): [trl], ("A", "weir-async"): [weir]}
+    args = SimpleNamespace(workloads=["A"], rounds=1, trl_python=sys.executable, trl_threads=[1])
+    vs_trl.report(results, args, ["trl", "weir-async"], ["trl"], (1.0,) * 3)
+    out = capsys.readouterr().out
+    # over all steps 0.175 against 0.25; by policy version 0.200 against 0.200
+    assert "reward/step 0.175 +- 0.048 vs TRL 0.250 +- 0.065" in out
+    assert "of the same policy) 0.200 +- 0.058 vs 0.200 +- 0.058: equal within 2 s.e." in out
