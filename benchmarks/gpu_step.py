@@ -286,6 +286,7 @@ def grpo_run(shape: str, steps: int, device: torch.device, ray: bool, out_dir: P
     layers and hidden sizes, its vocabulary is the tokenizer's.
     """
     import weir
+    from weir.loop.engine_load import GAUGES
     from weir.tasks.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
@@ -341,9 +342,7 @@ def grpo_run(shape: str, steps: int, device: torch.device, ray: bool, out_dir: P
         "mismatch_abs_logp_diff_max": max(
             (h.get("mismatch/abs_logp_diff", 0.0) for h in steps_done), default=None
         ),
-        "decode_path_last": {
-            k: steps_done[-1].get(f"engine/{k}") for k in ("decode_direct", "decode_graphs")
-        }
+        "decode_path_last": {k: steps_done[-1].get(f"engine/{k}") for k in GAUGES}
         if steps_done
         else None,
         "sync_gb": steps_done[-1].get("sync/mb", 0.0) / 1024 if steps_done else None,
