@@ -44,7 +44,8 @@ weir async runs its engine and its trainer on one thread each, so it uses both c
 weir sync use one. `--trl-threads 1 2` adds a TRL side on two torch threads (`trl-2t`); every ratio
 is then taken against the faster TRL side of its round. The `-2engines` modes give weir's
 generation both cores too: two engine processes of half the rows each (engine.process=true,
-engine.replicas=2).
+engine.replicas=2). `sync-2cores` gives weir sync both cores in both phases, as `trl-2t` has them:
+the two engine processes, then a trainer on two torch threads (model.threads=2).
 
     python benchmarks/vs_trl.py --workloads B --modes sync sync-2engines async-finish-2engines --trl-threads 1 2
 """
@@ -91,6 +92,7 @@ MODES = [
     "async-finish-process",
     "sync-2engines",
     "async-finish-2engines",
+    "sync-2cores",
 ]
 TARGETS = {m: 2.0 if m.startswith("sync") else 3.0 for m in MODES}
 END_OF_TURN = "<|end|>"
@@ -200,7 +202,7 @@ def weir_worker(spec: dict) -> dict:
             "checkpoint_every": 0,
             "resume": "never",
         },
-        "model": {"path": spec["model"], "threads": 1},
+        "model": {"path": spec["model"], "threads": spec.get("threads", 1)},
         "data": {
             "task": None,
             "source": spec["prompts"],
@@ -230,8 +232,8 @@ def weir_worker(spec: dict) -> dict:
         },
         "engine": {
             "kv_on_update": "keep" if "keep" in spec["mode"] else "recompute",
-            "process": "process" in spec["mode"] or "2engines" in spec["mode"],
-            "replicas": 2 if "2engines" in spec["mode"] else 1,
+            "process": any(k in spec["mode"] for k in ("process", "2engines", "2cores")),
+            "replicas": 2 if "2engines" in spec["mode"] or "2cores" in spec["mode"] else 1,
         },
         "telemetry": {"console": False, "trace": False},
     }
@@ -460,7 +462,8 @@ def main() -> None:
         "weight update); async-finish: async with loop.on_weight_update=finish (responses in "
         "flight end under the old weights before an update); -process: the engine in a child "
         "process (engine.process=true); -2engines: two engine processes, one per core "
-        "(engine.process=true, engine.replicas=2)",
+        "(engine.process=true, engine.replicas=2); sync-2cores: those two engines and a trainer on "
+        "two threads (model.threads=2)",
     )
     ap.add_argument(
         "--steps",
@@ -537,7 +540,7 @@ def main() -> None:
                     "model": str(paths[wl]["model"]),
                     "prompts": str(paths[wl]["prompts"]),
                     "eval": str(paths[wl]["eval"]),
-                    "threads": trl_sides.get(side, 1),
+                    "threads": trl_sides.get(side, 2 if "2cores" in mode else 1),
                 }
                 python = args.trl_python if trl else sys.executable
                 t0 = time.perf_counter()

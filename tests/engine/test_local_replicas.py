@@ -10,6 +10,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 from engine_helpers import EOS, PAD, assert_parity, make_prompts, perturbed
 from pydantic import ValidationError
 
@@ -139,3 +140,28 @@ def test_control_stats_and_checkpoint_state(replicas):
 def test_configs_that_cannot_run_are_refused(overrides, message):
     with pytest.raises((ValidationError, ValueError), match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("replicas, threads", [(2, [1.0, 1.0]), (1, [2.0])])
+def test_engine_processes_share_the_runs_threads(engine_model_dir, base_model, replicas, threads):
+    """A sync run on 2 torch threads with engine.process: two replicas decode on one thread each
+    (2 threads on 2 cores, where each child taking the run's 2 made 4), one replica on both."""
+    from transformers import AutoTokenizer
+
+    from weir.loop.components import make_engine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cfg = load_config(None, ["engine.process=true", f"engine.replicas={replicas}"])
+        engine = make_engine(
+            cfg, copy.deepcopy(base_model), AutoTokenizer.from_pretrained(engine_model_dir)
+        )
+    finally:
+        torch.set_num_threads(before)
+    try:
+        each = engine.replicas if replicas > 1 else [engine]
+        assert [e.stats()["threads"] for e in each] == threads
+        assert engine.stats()["threads"] == 2.0
+    finally:
+        engine.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
+from short_runs import SHORT, spread_reward
+
 import weir
-from tests.telemetry.conftest import SHORT, spread_reward
 from weir.engine.decode import DecodeForward
 
 

@@ -381,8 +381,9 @@ class EngineConfig(Section):
     replicas: int = Field(1, ge=1)
     """vllm/sglang: servers weir starts. Built-in engine (with engine.process=true): engine
     processes, each with its own copy of the weights, e.g. one per core of a CPU machine
-    (`weir.engine.local_replicas`). Either way each prompt goes to the one with the fewest
-    outstanding."""
+    (`weir.engine.local_replicas`; in sync each decodes on model.threads // replicas torch
+    threads, in async on loop.engine_threads). Either way each prompt goes to the one with the
+    fewest outstanding."""
     max_model_len: int | None = Field(None, ge=16)
     """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
     sleep_mode: bool = False

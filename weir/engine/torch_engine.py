@@ -275,6 +275,8 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             "admitted": 0,
             "decode_steps": 0,
             "busy_s": 0.0,
+            # a new thread starts on the creating thread's count, so this is what decodes
+            "threads": float(num_threads or torch.get_num_threads()),
         }
         self._thread = threading.Thread(target=self._run, name="weir-torch-engine", daemon=True)
         self._thread.start()
@@ -385,7 +387,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         """Counters since start: requests, generated/prefill tokens (``recomputed_tokens``: those
         prefilled again to rebuild KV after a weight update; ``shared_prefix_tokens``: those not
         prefilled because a prefix shared by the sequences of one prefill was computed once),
-        decode steps, busy seconds;
+        decode steps, busy seconds; ``threads``, the torch threads the engine thread computes on;
         ``decode_direct`` is 1 while decode steps run through `weir.engine.decode.DecodeForward`;
         ``decode_fixed_shape`` 1 while they run as fixed-shape steps (`weir.engine.graphs`),
         ``decode_graphs`` the CUDA graphs captured for them."""

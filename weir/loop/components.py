@@ -279,10 +279,16 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
 
 
 def _local_replicas(count: int, model: torch.nn.Module, options: dict, seed: int) -> Any:
-    """`count` engine processes on `model` (each child copies it) behind one engine."""
+    """`count` engine processes on `model` (each child copies it) behind one engine.
+
+    Unless `options` name the children's threads, they share this process's torch threads: a sync
+    run on 2 threads with 2 replicas gives each child one, not two (4 threads on 2 cores).
+    """
     from weir.engine.local_replicas import LocalReplicas
     from weir.engine.process_engine import ProcessEngine
 
+    if options.get("num_threads") is None:
+        options = {**options, "num_threads": max(1, torch.get_num_threads() // count)}
     started: list[ProcessEngine] = []
     try:
         for _ in range(count):
