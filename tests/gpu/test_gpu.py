@@ -136,7 +136,8 @@ def test_fsdp2_on_cuda_computes_in_bf16_on_fp32_shards(tiny_model_dir, offload):
     """The Ray trainer's path in a one-rank NCCL group: bf16 compute, fp32 shards, CPU offload."""
     import torch.distributed as dist
 
-    from weir.train.distributed import ShardedActor, free_port
+    from weir.train.distributed import free_port
+    from weir.train.sharded_actor import ShardedActor
 
     torch.cuda.set_device(0)
     dist.init_process_group(

@@ -27,7 +27,7 @@ from weir.config import build_config
 from weir.data.sample import Group, Sample
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
-from weir.train.distributed import ShardedActor
+from weir.train.sharded_actor import ShardedActor
 
 OPTS = [
     "rollout.batch_prompts=3",

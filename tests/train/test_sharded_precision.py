@@ -11,7 +11,8 @@ from tests.toy import toy_groups
 from weir.config import build_config
 from weir.train.actor import ActorSettings
 from weir.train.batch import make_batch
-from weir.train.distributed import ShardedActor, free_port
+from weir.train.distributed import free_port
+from weir.train.sharded_actor import ShardedActor
 
 
 @pytest.fixture
@@ -82,8 +83,8 @@ def test_auto_resolves_to_prefix_at_the_first_step_in_the_compute_dtype(
 def test_compute_device_is_where_fsdp_gathers_not_where_shards_rest(tiny_model_dir, one_rank_group):
     """Inputs and targets go where the forward computes. With CPU offload on a GPU the shards rest
     on the host, so the parameters' device is the wrong answer (a GPU run failed on exactly this)."""
-    from weir.train.distributed import shard_model
     from weir.train.precision import compute_device
+    from weir.train.sharded_actor import shard_model
 
     model = shard_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     assert compute_device(model) == model._get_fsdp_state()._device == torch.device("cpu")
@@ -104,14 +105,14 @@ def test_a_meta_model_sharded_for_a_gpu_rank_gets_the_cpu_offload_policy(
     the GPU beside host parameters, as the first GPU run showed)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from weir.train import distributed
+    from weir.train import sharded_actor
     from weir.train.meta_init import build_on_meta
 
     seen = []
-    monkeypatch.setattr(distributed, "fully_shard", lambda m, **kw: seen.append(kw) or m)
+    monkeypatch.setattr(sharded_actor, "fully_shard", lambda m, **kw: seen.append(kw) or m)
     meta = build_on_meta(str(tiny_model_dir), torch.float32)
-    distributed.shard_model(meta, offload=True, device=torch.device("cuda", 0))
+    sharded_actor.shard_model(meta, offload=True, device=torch.device("cuda", 0))
     assert seen and all(isinstance(kw["offload_policy"], CPUOffloadPolicy) for kw in seen)
     seen.clear()
-    distributed.shard_model(meta, offload=True, device=torch.device("cpu"))
+    sharded_actor.shard_model(meta, offload=True, device=torch.device("cpu"))
     assert seen and not any(isinstance(kw["offload_policy"], CPUOffloadPolicy) for kw in seen)

@@ -16,16 +16,16 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from weir.config import build_config
 from weir.data.sample import Group, Sample
-from weir.train import packing
+from weir.train import prefix_pass
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import make_batch
 from weir.train.packing import (
     choose_layout,
     prefix_micro_batches,
     prefix_supported,
-    response_buckets,
     response_logprobs,
 )
+from weir.train.prefix_pass import response_buckets
 
 VOCAB = 97
 MARK = VOCAB - 1
@@ -97,11 +97,11 @@ def test_prefix_layout_gives_the_padded_logprobs_entropy_and_gradients(
     seqs, lens = _groups(rnd, shapes)
     rnd.shuffle(order := list(range(len(seqs))))  # group members need not be adjacent
     seqs, lens = [seqs[i] for i in order], [lens[i] for i in order]
-    saved, packing.RESPONSE_PASS_TOKENS = packing.RESPONSE_PASS_TOKENS, pass_tokens
+    saved, prefix_pass.RESPONSE_PASS_TOKENS = prefix_pass.RESPONSE_PASS_TOKENS, pass_tokens
     try:
         prefix, g_prefix = _run("prefix", seqs, lens, temperature)
     finally:
-        packing.RESPONSE_PASS_TOKENS = saved
+        prefix_pass.RESPONSE_PASS_TOKENS = saved
     padded, g_padded = _run("padded", seqs, lens, temperature)
     assert torch.allclose(prefix.logprobs, padded.logprobs, atol=1e-5)
     assert torch.allclose(prefix.entropy, padded.entropy, atol=1e-5)

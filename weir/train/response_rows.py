@@ -1,0 +1,61 @@
+"""What every micro-batch layout of the trainer's forward returns, and the pieces they share:
+per-token log-probs and entropy at response positions, left-padded input rows, ragged results
+as padded rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from weir.algo import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass
+class PackedOutput:
+    """Per-token results for the response part of each sequence, padded to (b, T)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` under `logits / T` and, if asked, the entropy (with its gradient only
+    if `entropy_grad`), in chunks of `chunk_size` rows (`weir.algo`); T <= 0 counts as 1."""
+    t = temperature if temperature > 0 else 1.0
+    logp = logprobs_from_logits(logits, targets, chunk_size, temperature=t, allow_nonfinite=True)
+    ent = None
+    if with_entropy:
+        src = logits if entropy_grad else logits.detach()
+        ent = entropy_from_logits(src, chunk_size, temperature=t, allow_nonfinite=True)
+    return logp, ent
+
+
+def left_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences right-aligned in rows of the longest one's width: (ids, attention mask, position
+    ids), on the CPU; padding is id 0, mask 0, position 0."""
+    b, width = len(sequences), max(len(s) for s in sequences)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    attn = torch.zeros(b, width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attn[i, width - len(seq) :] = 1
+    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
+
+def response_rows(x: torch.Tensor, lengths: list[int], pad_to: int | None) -> torch.Tensor:
+    """The concatenated per-token values `x` split into rows of `lengths`, right-padded with zeros
+    to the longest (or to `pad_to`)."""
+    rows = pad_sequence(list(torch.split(x, lengths)), batch_first=True)
+    if pad_to is not None and rows.shape[1] < pad_to:
+        rows = torch.nn.functional.pad(rows, (0, pad_to - rows.shape[1]))
+    return rows
