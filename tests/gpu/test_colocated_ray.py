@@ -101,11 +101,15 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
         after_step = ray.get(rank0.device_memory.remote())["allocated"]
         params_bytes = sum(f.stat().st_size for f in half_b_dir.glob("*.safetensors"))
         timings = [sync.push(v) for v in (1, 2, 3)]
-        offloaded = ray.get(rank0.device_memory.remote())["allocated"]
+        memory = ray.get(rank0.device_memory.remote())
+        offloaded = memory["allocated"]
         print(
             f"trainer rank CUDA memory after its step {after_step / GB:.3f} GB (float32 weights "
-            f"{params_bytes / GB:.3f} GB), after the syncs {offloaded / GB:.3f} GB"
+            f"{params_bytes / GB:.3f} GB), after the syncs {offloaded / GB:.3f} GB; in host "
+            f"memory {memory['host'] / GB:.3f} GB, of it pinned {memory['pinned'] / GB:.3f} GB"
         )
+        # the weights and the AdamW state wait in pinned host memory (cluster.offload_pinned)
+        assert memory["host"] >= 2.5 * params_bytes and memory["pinned"] == memory["host"]
         assert sync._shared == [0] and not sync._members  # CUDA IPC, no NCCL group
         gb = timings[-1]["sync/mb"] / 1024
         per_gb = sorted(t["time/sync"] / gb for t in timings[1:])

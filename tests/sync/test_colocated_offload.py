@@ -35,8 +35,9 @@ def recorded_rank(tiny_model_dir, monkeypatch):
     rank = SyncTrainerRank(RankSettings.from_config(cfg), str(tiny_model_dir), 0, 1)
     moves: list[list[str]] = []
 
-    def record(modules, optimizer, device: torch.device) -> int:
+    def record(modules, optimizer, device: torch.device, *, pinned: bool) -> int:
         """The modules moved, by name, plus "optimizer" (device: the CPU either way here)."""
+        assert pinned  # cluster.offload_pinned, on by default
         names = {id(rank.actor.model): "model", id(rank.actor.ref): "ref"}
         moves.append(
             [names[id(m)] for m in modules if m is not None] + ["optimizer"] * bool(optimizer)

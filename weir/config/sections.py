@@ -524,6 +524,11 @@ class ClusterConfig(Section):
     offload_trainer: bool = True
     """With colocate on GPUs: trainer ranks keep parameters, gradients and optimizer state in host
     memory except while they train, so the engines on their GPUs have it to generate."""
+    offload_pinned: bool = True
+    """With offload_trainer: keep those host copies in pinned (page-locked) memory, so the copies
+    both ways run asynchronously at the link's full speed. torch caches pinned blocks rounded up to
+    a power of two, so the host holds up to 2x the offloaded bytes for the whole run; false copies
+    through ordinary memory (slower, no extra host memory)."""
     reward_workers: int = Field(2, ge=0)
     """On Ray, score rewards in this many Ray actors (off the driver); 0 scores in driver threads."""
 

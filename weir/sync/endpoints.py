@@ -27,7 +27,7 @@ from weir.sync.host_memory import peak_rss, reset_peak_rss, rss
 from weir.sync.shards import gather_buckets, sharded_hash, unique_tensors, wire_metas
 from weir.train.batch import TrainBatch
 from weir.train.distributed import TrainerRank, free_port
-from weir.train.offload import move_trainer
+from weir.train.offload import host_bytes, move_trainer
 
 HANDLE_TIMEOUT_S = 600.0
 
@@ -111,22 +111,29 @@ class SyncTrainerRank(TrainerRank):
         a = self.actor
         a.optimizer.zero_grad(set_to_none=True)
         modules = [a.ref] if keep_params else [a.model, a.ref]
-        return move_trainer(modules, a.optimizer, torch.device("cpu"))
+        pinned = self.settings.cluster.offload_pinned
+        return move_trainer(modules, a.optimizer, torch.device("cpu"), pinned=pinned)
 
     def onload(self) -> int:
         """Undo `offload` (before training); returns the bytes moved."""
         if not self._offloads or self.actor is None:
             return 0
         a = self.actor
-        return move_trainer([a.model, a.ref], a.optimizer, torch.device(self.device))
+        pinned = self.settings.cluster.offload_pinned
+        return move_trainer([a.model, a.ref], a.optimizer, torch.device(self.device), pinned=pinned)
 
     def device_memory(self) -> dict[str, int]:
-        """CUDA memory this process holds (allocated / reserved by torch), bytes; zeros on CPU."""
+        """CUDA memory this process holds (allocated / reserved by torch), and the bytes of its
+        parameters and optimizer state in host memory, pinned or not (`host_bytes`); device
+        figures are zeros on CPU."""
+        a = self.actor
+        host = host_bytes([a.model, a.ref], a.optimizer) if a is not None else {}
         if not self.device.startswith("cuda"):
-            return {"allocated": 0, "reserved": 0}
+            return {"allocated": 0, "reserved": 0, **host}
         return {
             "allocated": torch.cuda.memory_allocated(),
             "reserved": torch.cuda.memory_reserved(),
+            **host,
         }
 
     def _sharded(self) -> dict[str, torch.Tensor]:

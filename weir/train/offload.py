@@ -8,6 +8,14 @@ optimizer state tensors are moved one by one. Values are unchanged by the round 
 
 Per parameter that frees 4 (fp32 master) + 8 (AdamW moments) bytes / N ranks on each GPU, plus the
 reference model's 4 / N.
+
+With `pinned` the copies are issued with `non_blocking`: a copy from the GPU then lands in pinned
+host memory (torch allocates it so, from its pinned-block cache), and a copy back from there runs
+at the link's full speed instead of staging through pageable memory. Every host copy is complete
+before anything on the host reads it, as with blocking copies: a module's tensors are waited for
+one by one, because FSDP2 re-pads an unevenly sharded parameter right after moving it, by a copy
+on the host that must not read memory a transfer is still writing; the optimizer state, which
+nothing touches in between, is waited for once at the end.
 """
 
 from __future__ import annotations
@@ -17,21 +25,60 @@ import torch
 from weir.config.devices import release_cached_memory
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = _local(t)
     return local.numel() * local.element_size()
 
 
+def host_bytes(
+    modules: list[torch.nn.Module | None], optimizer: torch.optim.Optimizer | None
+) -> dict[str, int]:
+    """Bytes of `modules`' parameters and `optimizer`'s state now in host memory, and how many of
+    them are pinned (what a colocated rank's offload left there)."""
+    tensors = [p for m in modules if m is not None for p in m.parameters()]
+    if optimizer is not None:
+        tensors += [
+            v
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+    host = [_local(t) for t in tensors if t.device.type == "cpu"]
+    return {
+        "host": sum(t.numel() * t.element_size() for t in host),
+        "pinned": sum(t.numel() * t.element_size() for t in host if t.is_pinned()),
+    }
+
+
 @torch.no_grad()
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device, *, non_blocking: bool = False
+) -> int:
     """Move every tensor of `optimizer.state` to `device`; returns the bytes moved."""
     moved = 0
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0:
-                state[key] = value.to(device)
+                state[key] = value.to(device, non_blocking=non_blocking)
                 moved += _nbytes(value)
     return moved
+
+
+def _mover(device: torch.device, non_blocking: bool):
+    """The per-tensor function of `module.to(device, non_blocking=...)`, except that a copy to the
+    host has landed when it returns (module docstring)."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        out = t.to(device, non_blocking=non_blocking)
+        if non_blocking and out is not t and t.is_cuda and device.type == "cpu":
+            torch.cuda.current_stream(t.device).synchronize()
+        return out
+
+    return move
 
 
 @torch.no_grad()
@@ -39,10 +86,14 @@ def move_trainer(
     modules: list[torch.nn.Module | None],
     optimizer: torch.optim.Optimizer | None,
     device: torch.device,
+    *,
+    pinned: bool = False,
 ) -> int:
     """Move `modules` (model, reference; None skipped), their gradients and `optimizer`'s state to
-    `device`; returns the bytes moved. On CUDA the caching allocator's free blocks are returned to
-    the device afterwards, so another process (the engine) can use them."""
+    `device`; returns the bytes moved. `pinned`: host copies in pinned memory (module docstring).
+    On CUDA the caching allocator's free blocks are returned to the device afterwards, so another
+    process (the engine) can use them."""
+    non_blocking = pinned and torch.cuda.is_available()
     moved = 0
     for module in modules:
         if module is None:
@@ -50,9 +101,11 @@ def move_trainer(
         for p in module.parameters():
             if p.device != device:
                 moved += _nbytes(p)
-        module.to(device)
+        module._apply(_mover(device, non_blocking))  # what module.to(device) runs
     if optimizer is not None:
-        moved += move_optimizer_state(optimizer, device)
+        moved += move_optimizer_state(optimizer, device, non_blocking=non_blocking)
+    if non_blocking:
+        torch.cuda.synchronize()
     if device.type == "cpu" and torch.cuda.is_available():
         release_cached_memory(torch.device("cuda", torch.cuda.current_device()))
     return moved
