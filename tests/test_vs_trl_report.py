@@ -19,7 +19,8 @@ def vs_trl():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     yield module
-    sys.modules.pop("trl_workloads", None)
+    for name in ("trl_workloads", "vs_trl_sides"):
+        sys.modules.pop(name, None)
 
 
 def run(median: float, reward: float = 0.5) -> dict:
