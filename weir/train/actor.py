@@ -19,7 +19,7 @@ import torch
 
 from weir import algo
 from weir.telemetry.timeline import span
-from weir.train.actor_settings import ActorSettings  # noqa: F401  (re-exported)
+from weir.train.actor_settings import ActorSettings, check_algo_options
 from weir.train.batch import TrainBatch
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
@@ -32,7 +32,13 @@ from weir.train.packing import (
     response_logprobs,
 )
 from weir.train.precision import Precision
-from weir.train.step_checks import drop_nonfinite, finite_forward, mismatch, warn_over_max_len
+from weir.train.step_checks import (
+    add_loss_metrics,
+    drop_nonfinite,
+    finite_forward,
+    mismatch,
+    warn_over_max_len,
+)
 
 if TYPE_CHECKING:
     from weir.train.critic import Critic
@@ -105,33 +111,8 @@ class Actor:
         self.skipped_updates = 0
         self.skipped_steps = 0
         self.updates = 0
-        self._check_options()
-
-    def _check_options(self) -> None:
-        """Fail at start-up, not after the first rollout, on a misspelt or invalid algo option."""
-        ones = torch.ones(2, 1)
-        probe = torch.full((2, 1), -1.0)
-        values = {"values": torch.zeros(2, 1)} if self.acfg.advantage == "gae" else {}
-        adv = algo.compute_advantages(
-            self.advantage_fn,
-            torch.tensor([1.0, 0.0]),
-            ones,
-            torch.tensor([0, 0]),
-            **values,
-            **self.acfg.advantage_options,
-        )
-        algo.compute_policy_loss(
-            self.loss_fn,
-            probe,
-            probe,
-            adv.advantages,
-            ones,
-            agg=self.acfg.loss_agg,
-            num_tokens=2.0,
-            num_seqs=2.0,
-            max_len=self.max_len,
-            behavior_logp=probe if self.acfg.policy_loss == "decoupled_ppo" else None,
-            **self.loss_options,
+        check_algo_options(
+            self.acfg, self.advantage_fn, self.loss_fn, self.max_len, self.loss_options
         )
 
     # -- data-parallel hooks: one process trains everything; weir.train.distributed overrides them --
@@ -553,17 +534,7 @@ class Actor:
             with span("backward", cat="train"):
                 loss.backward()
         share = float(m.sum().item()) / max(step.metric_tokens, 1.0)
-        sums["train/loss"] += loss.item()
-        for k, v in pg.items():
-            if k in ("loss", "tokens"):
-                continue
-            key = f"train/{k}" if k in ("entropy", "kl_ref") else f"policy/{k}"
-            if k == "pg_loss":  # already normalised by the mini-batch counts: a sum
-                sums[key] += v
-            elif k.endswith("_max"):
-                peaks[key] = max(peaks.get(key, float("-inf")), v)
-            else:
-                sums[key] += v * share
+        add_loss_metrics(sums, peaks, loss.item(), pg, share)
         if step.first and (old is None or not self.needs_recompute):
             trained = batch.response_mask[idx] if old is None else m
             policy = trained * (batch.versions[idx] >= 0)

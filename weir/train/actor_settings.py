@@ -3,8 +3,13 @@ derived from others (temperature, total optimizer steps, the longest response)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from weir import algo
 from weir.config import Config
 from weir.config.schema import AlgoConfig, TrainConfig
 
@@ -47,3 +52,38 @@ def policy_steps(cfg: Config) -> int:
     """RL steps that update the policy: all but the critic's warm-up (critic.freeze_actor_steps)."""
     frozen = cfg.critic.freeze_actor_steps if cfg.algo.advantage == "gae" else 0
     return max(0, cfg.run.steps - frozen)
+
+
+def check_algo_options(
+    acfg: AlgoConfig,
+    advantage_fn: Callable,
+    loss_fn: Callable,
+    max_len: int,
+    loss_options: dict[str, Any],
+) -> None:
+    """Run the advantage and policy-loss functions once on a two-token probe, so that a misspelt or
+    invalid `algo` option fails at start-up, not after the first rollout."""
+    ones = torch.ones(2, 1)
+    probe = torch.full((2, 1), -1.0)
+    values = {"values": torch.zeros(2, 1)} if acfg.advantage == "gae" else {}
+    adv = algo.compute_advantages(
+        advantage_fn,
+        torch.tensor([1.0, 0.0]),
+        ones,
+        torch.tensor([0, 0]),
+        **values,
+        **acfg.advantage_options,
+    )
+    algo.compute_policy_loss(
+        loss_fn,
+        probe,
+        probe,
+        adv.advantages,
+        ones,
+        agg=acfg.loss_agg,
+        num_tokens=2.0,
+        num_seqs=2.0,
+        max_len=max_len,
+        behavior_logp=probe if acfg.policy_loss == "decoupled_ppo" else None,
+        **loss_options,
+    )

@@ -77,6 +77,25 @@ def mismatch(trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
     }
 
 
+def add_loss_metrics(
+    sums: dict[str, float], peaks: dict[str, float], loss: float, pg: dict[str, float], share: float
+) -> None:
+    """Add one micro-batch's policy-loss metrics to its mini-batch's: `pg_loss`, already normalised
+    by the mini-batch's counts, as a sum; `*_max` as maxima; the others as means over the trained
+    tokens, weighted by `share` (the micro-batch's fraction of those tokens)."""
+    sums["train/loss"] += loss
+    for k, v in pg.items():
+        if k in ("loss", "tokens"):
+            continue
+        key = f"train/{k}" if k in ("entropy", "kl_ref") else f"policy/{k}"
+        if k == "pg_loss":
+            sums[key] += v
+        elif k.endswith("_max"):
+            peaks[key] = max(peaks.get(key, float("-inf")), v)
+        else:
+            sums[key] += v * share
+
+
 def warn_over_max_len(mask: torch.Tensor, max_len: int) -> bool:
     """Warn when a sample trains more tokens than the Dr.GRPO normaliser `max_len` assumes;
     returns whether it warned (the actor warns once per run)."""
