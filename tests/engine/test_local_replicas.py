@@ -142,10 +142,9 @@ def test_configs_that_cannot_run_are_refused(overrides, message):
         load_config(None, overrides)
 
 
-@pytest.mark.parametrize("replicas, threads", [(2, [1.0, 1.0]), (1, [2.0])])
-def test_engine_processes_share_the_runs_threads(engine_model_dir, base_model, replicas, threads):
-    """A sync run on 2 torch threads with engine.process: two replicas decode on one thread each
-    (2 threads on 2 cores, where each child taking the run's 2 made 4), one replica on both."""
+def test_engine_processes_share_the_runs_threads(engine_model_dir, base_model):
+    """A sync run on 2 torch threads with two engine processes: each decodes on one thread (2
+    threads on 2 cores, where each child taking the run's 2 made 4)."""
     from transformers import AutoTokenizer
 
     from weir.loop.components import make_engine
@@ -153,15 +152,14 @@ def test_engine_processes_share_the_runs_threads(engine_model_dir, base_model, r
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        cfg = load_config(None, ["engine.process=true", f"engine.replicas={replicas}"])
+        cfg = load_config(None, ["engine.process=true", "engine.replicas=2"])
         engine = make_engine(
             cfg, copy.deepcopy(base_model), AutoTokenizer.from_pretrained(engine_model_dir)
         )
     finally:
         torch.set_num_threads(before)
     try:
-        each = engine.replicas if replicas > 1 else [engine]
-        assert [e.stats()["threads"] for e in each] == threads
-        assert engine.stats()["threads"] == 2.0
+        assert [e.stats()["threads"] for e in engine.replicas] == [1.0, 1.0]
+        assert engine.stats()["threads"] == 2.0  # summed over the replicas
     finally:
         engine.close()
