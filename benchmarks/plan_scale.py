@@ -67,7 +67,7 @@ ASSUMED = {
     "hbm_eff": 0.75,  # fraction of HBM bandwidth a decode step reaches
     "nccl_nvlink_eff": 0.70,  # all-gather / broadcast bus bandwidth vs NVLink one-way peak
     "nccl_ib_eff": 0.80,  # vs the NIC line rate
-    "pcie_eff": 0.40,  # pageable host memory (weir's offload does not pin) vs PCIe peak
+    "pcie_eff": 0.40,  # vs PCIe peak, pageable memory's; the pinned offload is not yet measured
     "bucket_latency_s": 200e-6,  # per bucket: launch, sync, a Ray round trip for IPC
     "node_write_bytes_per_s": 5e9,  # checkpoint write per node (local NVMe RAID or a parallel FS)
 }

@@ -1,6 +1,6 @@
 """A colocated trainer's offload to pinned host memory (`weir.train.offload`, cluster.offload_pinned)
 on a GPU: what lands in host memory is pinned, complete when the move returns, and the same values
-come back."""
+come back, for a plain module and for an FSDP2-sharded one."""
 
 from __future__ import annotations
 
@@ -13,37 +13,45 @@ pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
+TAIL = 4096
 
 
 class RepadsOnMove(torch.nn.Module):
-    """Reads its parameter on the host right after a move, as FSDP2's `reset_sharded_param` does
-    when it re-pads an unevenly sharded parameter (a host-side copy of the moved tensor)."""
+    """Reads its parameter on the host inside the move, as FSDP2's `reset_sharded_param` does when
+    it re-pads an unevenly sharded parameter (a host-side copy of the moved tensor)."""
 
     def __init__(self, numel: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(numel, device=CUDA).uniform_())
+        self.weight = torch.nn.Parameter(torch.empty(numel, device=CUDA).uniform_(1.0, 2.0))
         self.seen: torch.Tensor | None = None
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        if self.weight.device.type == "cpu":
-            self.seen = torch.zeros_like(self.weight).copy_(self.weight.detach())
+        if self.weight.device.type == "cpu":  # the last values a transfer writes
+            self.seen = self.weight.detach()[-TAIL:].clone()
         return out
 
 
-def test_a_pinned_offload_is_complete_when_it_returns_and_comes_back_exactly():
-    # 256 MiB, so that a host read racing the transfer would see it unfinished
-    model = RepadsOnMove(64 * 2**20)
+def _stepped(model: torch.nn.Module) -> torch.optim.Optimizer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.weight.sum().backward()
+    sum(p.sum() for p in model.parameters()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def test_a_pinned_offload_is_complete_when_it_returns_and_comes_back_exactly():
+    model = RepadsOnMove(64 * 2**20)  # 256 MiB
+    optimizer = _stepped(model)
     want = model.weight.detach().cpu()
     want_m = optimizer.state[model.weight]["exp_avg"].cpu()
 
+    # hold the device's stream back, so that a transfer still runs when the host reads: without
+    # the wait for each host copy, `seen` would read memory not yet written
+    torch.cuda._sleep(int(1e9))
     moved = move_trainer([model], optimizer, CPU, pinned=True)
     assert moved == 3 * want.numel() * 4  # the weights and AdamW's two moments
-    assert torch.equal(model.seen, want)  # the host read after the move saw every value
+    assert torch.equal(model.seen, want[-TAIL:])
     assert torch.equal(model.weight.detach(), want)
     assert torch.equal(optimizer.state[model.weight]["exp_avg"], want_m)
     assert host_bytes([model], optimizer) == {"host": moved, "pinned": moved}
@@ -59,9 +67,46 @@ def test_a_pinned_offload_is_complete_when_it_returns_and_comes_back_exactly():
 
 def test_without_pinning_the_host_copies_are_ordinary_memory():
     model = RepadsOnMove(2**20)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.weight.sum().backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer = _stepped(model)
     moved = move_trainer([model], optimizer, CPU, pinned=False)
     assert host_bytes([model], optimizer) == {"host": moved, "pinned": 0}
+
+
+def test_an_fsdp2_module_round_trips_through_pinned_memory(tiny_model_dir):
+    """The sharded parameters (DTensors) of a one-rank group: pinned on the host, the same values
+    back on the device, and the model still computes and trains."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from weir.train.distributed import free_port
+    from weir.train.sharded_actor import shard_model
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = shard_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA))
+        ids = torch.tensor([[5, 6, 7, 8]], device=CUDA)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(ids).logits.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        want = {k: v.to_local().cpu().clone() for k, v in model.state_dict().items()}
+        params = list(model.parameters())
+
+        moved = move_trainer([model], optimizer, CPU, pinned=True)
+        assert host_bytes([model], optimizer) == {"host": moved, "pinned": moved}
+        assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+
+        move_trainer([model], optimizer, CUDA, pinned=True)
+        # the optimizer's Parameter objects, moved in place, with their values
+        assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+        got = {k: v.to_local().cpu() for k, v in model.state_dict().items()}
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        model(ids).logits.sum().backward()
+        optimizer.step()
+        name, first = next(iter(model.named_parameters()))
+        assert not torch.equal(first.to_local().cpu(), want[name])
+    finally:
+        dist.destroy_process_group()

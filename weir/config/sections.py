@@ -381,8 +381,8 @@ class EngineConfig(Section):
     replicas: int = Field(1, ge=1)
     """vllm/sglang: servers weir starts. Built-in engine (with engine.process=true): engine
     processes, each with its own copy of the weights, e.g. one per core of a CPU machine
-    (`weir.engine.local_replicas`; in sync each decodes on model.threads // replicas torch
-    threads, in async on loop.engine_threads). Either way each prompt goes to the one with the
+    (`weir.engine.local_replicas`; each decodes on loop.engine_threads torch threads in async,
+    else on its share of the run's, model.threads // replicas). Either way each prompt goes to the one with the
     fewest outstanding."""
     max_model_len: int | None = Field(None, ge=16)
     """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
@@ -526,9 +526,9 @@ class ClusterConfig(Section):
     memory except while they train, so the engines on their GPUs have it to generate."""
     offload_pinned: bool = True
     """With offload_trainer: keep those host copies in pinned (page-locked) memory, so the copies
-    both ways run asynchronously at the link's full speed. torch caches pinned blocks rounded up to
-    a power of two, so the host holds up to 2x the offloaded bytes for the whole run; false copies
-    through ordinary memory (slower, no extra host memory)."""
+    both ways run at the link's full speed. torch caches pinned blocks rounded up to a power of
+    two, so the host holds up to 2x the offloaded bytes for the whole run; false copies through
+    ordinary memory (slower, no extra host memory)."""
     reward_workers: int = Field(2, ge=0)
     """On Ray, score rewards in this many Ray actors (off the driver); 0 scores in driver threads."""
 

@@ -115,7 +115,7 @@ class Actor:
             self.acfg, self.advantage_fn, self.loss_fn, self.max_len, self.loss_options
         )
 
-    # -- data-parallel hooks: one process trains everything; weir.train.distributed overrides them --
+    # -- data-parallel hooks: one process trains everything; weir.train.sharded_actor overrides them --
 
     def _precision(self, model: torch.nn.Module) -> Precision:
         """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`

@@ -2,9 +2,9 @@
 
 Between training steps the trainer needs nothing on the GPU: its sharded parameters, the reference
 model's shards and the optimizer state (gradients are freed by `zero_grad(set_to_none=True)`) move
-to host memory, and come back before the next step. FSDP2 modules move with `module.to(device)`
-(FSDP2 re-registers its sharded parameters, keeping the Parameter objects the optimizer holds); the
-optimizer state tensors are moved one by one. Values are unchanged by the round trip (plain copies).
+to host memory, and come back before the next step. FSDP2 modules move through `module._apply`,
+as `module.to(device)` moves them (FSDP2 re-registers its sharded parameters, keeping the Parameter
+objects the optimizer holds); the optimizer state tensors are moved one by one. Values are unchanged by the round trip (plain copies).
 
 Per parameter that frees 4 (fp32 master) + 8 (AdamW moments) bytes / N ranks on each GPU, plus the
 reference model's 4 / N.
@@ -13,9 +13,11 @@ With `pinned` the copies are issued with `non_blocking`: a copy from the GPU the
 host memory (torch allocates it so, from its pinned-block cache), and a copy back from there runs
 at the link's full speed instead of staging through pageable memory. Every host copy is complete
 before anything on the host reads it, as with blocking copies: a module's tensors are waited for
-one by one, because FSDP2 re-pads an unevenly sharded parameter right after moving it, by a copy
-on the host that must not read memory a transfer is still writing; the optimizer state, which
-nothing touches in between, is waited for once at the end.
+one by one, because FSDP2 re-pads an unevenly sharded parameter once its unit's tensors have moved,
+by a copy on the host that must not read memory a transfer is still writing; the optimizer state,
+which nothing touches in between, is waited for once at the end. That re-pad copies into ordinary
+memory: a parameter whose first dimension the ranks do not divide evenly rests unpinned, and moves
+at pageable speed (one rank never pads).
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def host_bytes(
 def move_optimizer_state(
     optimizer: torch.optim.Optimizer, device: torch.device, *, non_blocking: bool = False
 ) -> int:
-    """Move every tensor of `optimizer.state` to `device`; returns the bytes moved."""
+    """Move every tensor of `optimizer.state` to `device`; returns the bytes moved. With
+    `non_blocking` the copies may still run when it returns: synchronise before reading them on
+    the host."""
     moved = 0
     for state in optimizer.state.values():
         for key, value in state.items():

@@ -5,7 +5,7 @@ moments stay in `param_dtype` (float32), while the forward and backward matmuls 
 `compute_dtype` (bfloat16 on a GPU). A bf16 update `w + lr * u` with lr 1e-6 is below bf16's
 resolution (8 bits of mantissa: |w| * 2^-8) for most weights and is lost; on float32 masters
 it is kept. Locally the compute dtype is applied with `torch.autocast`; on Ray FSDP2's
-`MixedPrecisionPolicy` casts the gathered shards instead (weir.train.distributed).
+`MixedPrecisionPolicy` casts the gathered shards instead (weir.train.sharded_actor.shard_model).
 """
 
 from __future__ import annotations
