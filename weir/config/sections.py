@@ -382,8 +382,8 @@ class EngineConfig(Section):
     """vllm/sglang: servers weir starts. Built-in engine (with engine.process=true): engine
     processes, each with its own copy of the weights, e.g. one per core of a CPU machine
     (`weir.engine.local_replicas`; each decodes on loop.engine_threads torch threads in async,
-    else on its share of the run's, model.threads // replicas). Either way each prompt goes to the one with the
-    fewest outstanding."""
+    else on its share of the run's, model.threads // replicas). Either way each prompt goes to
+    the one with the fewest outstanding."""
     max_model_len: int | None = Field(None, ge=16)
     """vllm/sglang: context limit of the servers (prompt + response); default: the model's own."""
     sleep_mode: bool = False

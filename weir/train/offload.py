@@ -4,7 +4,8 @@ Between training steps the trainer needs nothing on the GPU: its sharded paramet
 model's shards and the optimizer state (gradients are freed by `zero_grad(set_to_none=True)`) move
 to host memory, and come back before the next step. FSDP2 modules move through `module._apply`,
 as `module.to(device)` moves them (FSDP2 re-registers its sharded parameters, keeping the Parameter
-objects the optimizer holds); the optimizer state tensors are moved one by one. Values are unchanged by the round trip (plain copies).
+objects the optimizer holds); the optimizer state tensors are moved one by one. Values are
+unchanged by the round trip (plain copies).
 
 Per parameter that frees 4 (fp32 master) + 8 (AdamW moments) bytes / N ranks on each GPU, plus the
 reference model's 4 / N.
@@ -36,6 +37,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _state_tensors(optimizer: torch.optim.Optimizer):
+    """(state dict, key, tensor) for every tensor of `optimizer.state` that moves (not the 0-d
+    step counters)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                yield state, key, value
+
+
 def host_bytes(
     modules: list[torch.nn.Module | None], optimizer: torch.optim.Optimizer | None
 ) -> dict[str, int]:
@@ -43,16 +53,11 @@ def host_bytes(
     them are pinned (what a colocated rank's offload left there)."""
     tensors = [p for m in modules if m is not None for p in m.parameters()]
     if optimizer is not None:
-        tensors += [
-            v
-            for state in optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        ]
-    host = [_local(t) for t in tensors if t.device.type == "cpu"]
+        tensors += [value for _, _, value in _state_tensors(optimizer)]
+    host = [t for t in tensors if t.device.type == "cpu"]
     return {
-        "host": sum(t.numel() * t.element_size() for t in host),
-        "pinned": sum(t.numel() * t.element_size() for t in host if t.is_pinned()),
+        "host": sum(_nbytes(t) for t in host),
+        "pinned": sum(_nbytes(t) for t in host if _local(t).is_pinned()),
     }
 
 
@@ -64,11 +69,10 @@ def move_optimizer_state(
     `non_blocking` the copies may still run when it returns: synchronise before reading them on
     the host."""
     moved = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0:
-                state[key] = value.to(device, non_blocking=non_blocking)
-                moved += _nbytes(value)
+    for state, key, value in list(_state_tensors(optimizer)):
+        if value.device != device:
+            state[key] = value.to(device, non_blocking=non_blocking)
+            moved += _nbytes(value)
     return moved
 
 
