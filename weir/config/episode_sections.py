@@ -170,6 +170,9 @@ class SandboxConfig(Section):
     """stdout and stderr are each cut here and the program killed."""
     file_bytes: int = Field(8 << 20, ge=0)
     """Largest file a program may write (RLIMIT_FSIZE)."""
+    disk_mb: int = Field(64, ge=1)
+    """What each writable place holds, MiB: at `bwrap` the work directory, /tmp and /dev/shm are
+    tmpfs mounts of this size (host memory); other levels bound files only one by one."""
     python: str | None = None
     """Interpreter for Python programs; default: weir's own, or the system's where the sandbox uids
     cannot reach weir's."""

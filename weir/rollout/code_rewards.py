@@ -29,7 +29,7 @@ __all__ = ["extract_code", "code_tests", "code_io", "exec_metrics", "build_progr
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PY_TAGS = {"", "python", "py", "python3"}
 Extract = Literal["auto", "last_block", "first_block", "whole"]
-_LIMIT_STATUSES = ("cpu_time", "memory", "processes", "output_limit", "file_size")
+_LIMIT_STATUSES = ("cpu_time", "memory", "processes", "output_limit", "file_size", "disk")
 
 
 def extract_code(
@@ -157,7 +157,13 @@ def code_tests(
             "exec_reason": "",
             "extracted": how,
         }
-    result = (sandbox or default_sandbox()).run(program, tests=list(tests))
+    entry = row.get("entry_point")
+    result = (sandbox or default_sandbox()).run(
+        program,
+        tests=list(tests),
+        prefix=row.get("prefix") or None,
+        entry_points=[entry] if isinstance(entry, str) else entry,
+    )
     _record(sample, [result])
     _check_sandbox_failure([result])
     passed = result.passed

@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LEVELS", "Isolation", "detect", "wrap_command", "INNER_WORKDIR"]
+__all__ = ["LEVELS", "Isolation", "detect", "wrap_command", "nproc_limit", "INNER_WORKDIR"]
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,7 @@ LEVELS = ("bwrap", "namespaces", "rlimit")
 INNER_WORKDIR = "/sandbox"  # where bwrap mounts the work directory
 SLOT_UID_BASE = 61000  # executions run as uids SLOT_UID_BASE .. + SLOT_UIDS - 1 when weir is root
 SLOT_UIDS = 1000
-# processes a level's wrapper itself holds under the slot's uid (added to Limits.processes), with
-# room for a wrapper's zombie that the host's init has not reaped yet
-WRAPPER_PROCESSES = {"bwrap": 5, "namespaces": 3, "rlimit": 1}
+JUDGE_UID = SLOT_UID_BASE - 1  # the judges' uid when weir is root (they run the rows' tests)
 
 
 @dataclass(frozen=True)
@@ -132,7 +130,7 @@ def detect(requested: str = "auto", python: str | None = None) -> Isolation:
     for level in order:
         iso = Isolation(level, per_slot_uid, interp, prefix, unshare_user=not root or per_slot_uid)
         if level == "rlimit" or _probe(
-            wrap_command(iso, [interp, "-I", "-S", "-c", "pass"], tempfile.gettempdir()), uid
+            wrap_command(iso, [interp, "-I", "-S", "-c", "pass"], disk_bytes=1 << 20), uid
         ):
             if requested == "auto":
                 log.info(iso.describe())
@@ -161,16 +159,33 @@ def _root_dirs() -> list[str]:
     return args
 
 
-def wrap_command(iso: Isolation, argv: list[str], workdir: str) -> list[str]:
-    """`argv` wrapped in the isolation level's launcher (limits are applied outside, by the caller)."""
+def wrap_command(
+    iso: Isolation,
+    argv: list[str],
+    *,
+    disk_bytes: int = 64 << 20,
+    files: dict[str, int] | None = None,
+) -> list[str]:
+    """`argv` wrapped in the isolation level's launcher.
+
+    Under bwrap the program's writable places are tmpfs mounts of `disk_bytes` each (the work
+    directory at /sandbox, /tmp and /dev/shm) and everything else is read-only, the root and /dev
+    included; `files` (name -> a readable fd) are copied into /sandbox. Its first process is the
+    program itself (``--as-pid-1``), which bwrap waits for, so its exit status and CPU time reach
+    weir. The other levels run in the caller's work directory (the caller writes the files)."""
     if iso.level == "bwrap":
+        size = str(disk_bytes)
         bwrap = shutil.which("bwrap") or "bwrap"
-        cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+        cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1"]
         cmd += ["--ro-bind", "/usr", "/usr", *_root_dirs()]
         if not iso.prefix.startswith("/usr"):
             cmd += ["--ro-bind", iso.prefix, iso.prefix]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        cmd += ["--bind", workdir, INNER_WORKDIR, "--chdir", INNER_WORKDIR]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+        cmd += ["--remount-ro", "/dev", "--size", size, "--tmpfs", "/tmp"]
+        cmd += ["--size", size, "--tmpfs", INNER_WORKDIR]
+        for name, fd in (files or {}).items():
+            cmd += ["--file", str(fd), f"{INNER_WORKDIR}/{name}"]
+        cmd += ["--chdir", INNER_WORKDIR, "--remount-ro", "/"]
         if os.geteuid() == 0 and not iso.per_slot_uid:
             cmd += ["--cap-drop", "ALL"]
         return [*cmd, "--", *argv]
@@ -182,3 +197,11 @@ def wrap_command(iso: Isolation, argv: list[str], workdir: str) -> list[str]:
         cmd += ["--mount-proc"]
         return [*cmd, "--", *argv]
     return list(argv)
+
+
+def nproc_limit(iso: Isolation, processes: int) -> int:
+    """RLIMIT_NPROC that lets the program have `processes` processes and threads at once (its own
+    main process included), set inside the level's namespaces. The kernel counts a uid's tasks per
+    user namespace: in bwrap's (the program is its first process) and under a leased uid the count
+    is the program's alone; unshare's own process sits in the new user namespace too."""
+    return processes + (1 if iso.level == "namespaces" and iso.unshare_user else 0)

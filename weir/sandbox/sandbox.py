@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -26,10 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from weir.sandbox.isolation import Isolation, detect
-from weir.sandbox.languages import DENIED_MARK, STARTED_MARK, get_language
+from weir.sandbox.isolation import INNER_WORKDIR, JUDGE_UID, Isolation, detect
+from weir.sandbox.languages import DENIED_MARK, get_language
 from weir.sandbox.limits import ExecResult, Limits, TestOutcome
-from weir.sandbox.process import RawResult, lease_uid, run_process
+from weir.sandbox.process import JudgeJob, RawResult, judge_limits, run_process
+from weir.sandbox.uids import lease_uid
 from weir.telemetry import timeline
 
 __all__ = ["Sandbox", "classify"]
@@ -40,15 +40,17 @@ _SIGNALS = {24: "cpu_time", 25: "file_size"}  # SIGXCPU, SIGXFSZ
 
 
 def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
-    """(status, reason) of a finished execution: the sandbox's own kill reasons first, then the
-    signal that ended it, then what the program's error output says (a denied operation, a memory
-    or process limit it ran into)."""
+    """(status, reason) of the program's part of a finished execution: the sandbox's own kill
+    reasons first, then the signal that ended it, then what its error output says (a denied
+    operation, a memory, process, file-size or disk limit it ran into)."""
     if raw.start_error:
         return "sandbox_error", f"could not start the program: {raw.start_error}"
     if raw.killed_for == "timeout":
         return "timeout", f"wall time limit {limits.wall_s:g} s exceeded"
     if raw.killed_for == "output_limit":
         return "output_limit", f"output over {limits.output_bytes} bytes"
+    if raw.killed_for == "lingered":
+        return "ok", ""  # it outlived the judge, whose verdicts stand
     tail = raw.stderr[-4000:].decode("utf-8", "replace")
     sig = raw.signal
     if sig is None and raw.exit_code is not None and raw.exit_code > 128:
@@ -67,6 +69,10 @@ def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
         return "memory", f"memory limit {limits.memory_mb} MB exceeded ({last.strip()[:200]})"
     if "Resource temporarily unavailable" in tail and ("fork" in tail or "thread" in tail):
         return "processes", f"process limit {limits.processes} reached ({last.strip()[:200]})"
+    if "[Errno 27] File too large" in last:
+        return "file_size", f"file size limit {limits.file_bytes} bytes exceeded"
+    if "[Errno 28] No space left on device" in last:
+        return "disk", f"disk limit {limits.disk_mb} MB exceeded"
     if any(
         s in tail
         for s in (
@@ -83,12 +89,15 @@ def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
 
 
 def _rmtree(path: str) -> None:
-    """Remove a work directory even where the program took permissions away from its own files."""
+    """Remove a work directory even where the program took permissions away from its own files;
+    never follows a link the program made (rmtree does not, and only real directories are
+    chmod-ed)."""
 
     def fix(func: Any, p: str, _exc: Any) -> None:
         try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            os.chmod(p, stat.S_IRWXU)
+            for d in (os.path.dirname(p), p):
+                if stat.S_ISDIR(os.lstat(d).st_mode):
+                    os.chmod(d, stat.S_IRWXU)
             func(p)
         except OSError:
             pass
@@ -168,10 +177,17 @@ class Sandbox:
         stdin: str | bytes = "",
         args: Sequence[str] = (),
         tests: Sequence[str] | None = None,
+        prefix: str | None = None,
+        entry_points: Sequence[str] | None = None,
         limits: Limits | None = None,
     ) -> ExecResult:
-        """Run `program` (with `tests` as a harness if given) and return what it did; never raises
-        for anything the program does. Blocks while all slots are busy."""
+        """Run `program` and return what it did; never raises for anything the program does.
+        Blocks while all slots are busy.
+
+        With `tests` a judge process runs them (`weir.sandbox.judge`), calling the program's
+        functions across a pipe: `prefix` is trusted code run first in the tests' namespace (the
+        prompt's imports and helpers), and `entry_points` the names of the functions under test
+        (default: every function the program defines)."""
         lang = get_language(language)
         iso = self.isolation
         limits = limits or self.limits
@@ -181,11 +197,26 @@ class Sandbox:
         try:
             with contextlib.ExitStack() as stack:
                 uid = stack.enter_context(lease_uid()) if iso.per_slot_uid else None
-                workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
-                stack.callback(_rmtree, workdir)
+                workdir = None
+                if iso.level != "bwrap":  # bwrap's work directory is a tmpfs of its own
+                    workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
+                    stack.callback(_rmtree, workdir)
+                    os.chmod(workdir, 0o700)
+                    if uid is not None:
+                        os.chown(workdir, uid, uid)
                 with timeline.span("sandbox.exec", cat="sandbox", slot=slot, level=iso.level):
                     result = self._run_in(
-                        lang, iso, Path(workdir), uid, program, stdin, args, tests, limits
+                        lang,
+                        iso,
+                        workdir,
+                        uid,
+                        program,
+                        stdin,
+                        args,
+                        tests,
+                        limits,
+                        prefix,
+                        entry_points,
                     )
         except (OSError, RuntimeError) as e:  # the sandbox's own failure, not the program's
             result = ExecResult(
@@ -212,48 +243,67 @@ class Sandbox:
         self,
         lang: Any,
         iso: Isolation,
-        workdir: Path,
+        workdir: str | None,
         uid: int | None,
         program: str,
         stdin: str | bytes,
         args: Sequence[str],
         tests: Sequence[str] | None,
         limits: Limits,
+        prefix: str | None = None,
+        entry_points: Sequence[str] | None = None,
     ) -> ExecResult:
-        os.chmod(workdir, 0o700)
-        argv, results = lang.prepare(
-            workdir, program, tests=tests, args=args, guard=self.python_guard, iso=iso
+        prepared = lang.prepare(
+            program,
+            serve=tests is not None,
+            args=args,
+            guard=self.python_guard,
+            iso=iso,
+            reply_bytes=limits.output_bytes,
         )
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            for f in workdir.iterdir():
-                os.chown(f, uid, uid)
         env = {
             "PATH": "/usr/bin:/bin",
             "LANG": "C.UTF-8",
-            "HOME": "/sandbox" if iso.level == "bwrap" else str(workdir),
+            "HOME": INNER_WORKDIR if workdir is None else workdir,
             "PYTHONHASHSEED": "0",
         }
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        judge = None
+        if tests is not None:
+            config = {
+                "tests": list(tests),
+                "prefix": prefix,
+                "entry_points": list(entry_points) if entry_points else None,
+                "reply_bytes": limits.output_bytes,
+                "limits": judge_limits(limits),
+            }
+            judge = JudgeJob(config, JUDGE_UID if uid is not None else None)
+        data = stdin.encode("utf-8", "surrogateescape") if isinstance(stdin, str) else stdin
         raw = run_process(
-            argv, iso=iso, limits=limits, workdir=str(workdir), stdin=data, uid=uid, env=env
+            prepared.argv,
+            iso=iso,
+            limits=limits,
+            workdir=workdir,
+            files=prepared.files,
+            stdin=data,
+            uid=uid,
+            env=env,
+            judge=judge,
         )
         status, reason = classify(raw, limits)
-        if status in ("error", "killed") and not (workdir / STARTED_MARK).exists():
+        if status in ("error", "killed") and not raw.started:
             first = raw.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
             status = "sandbox_error"
             reason = f"the program never started: {first[0] if first else f'exit {raw.exit_code}'}"
         outcomes: list[TestOutcome] = []
         if tests is not None:
-            outcomes = _read_results(workdir / results if results else None, len(tests))
-            if (
-                status == "error"
-                and outcomes
-                and not any(t.error is None and not t.passed for t in outcomes)
-            ):
-                failed = [t for t in outcomes if not t.passed and t.error]
-                if failed:
-                    reason = f"{len(failed)}/{len(tests)} tests failed; first: {failed[0].error}"
+            outcomes = _outcomes(raw.judge, len(tests))
+            judge_failure = _judge_failure(raw)
+            if judge_failure and status != "sandbox_error":
+                status, reason = "sandbox_error", judge_failure
+            elif status in ("ok", "error") and not all(t.passed for t in outcomes):
+                failed = [t for t in outcomes if not t.passed]
+                status = "error"
+                reason = f"{len(failed)}/{len(tests)} tests failed; first: {failed[0].error}"
         return ExecResult(
             status=status,
             exit_code=raw.exit_code,
@@ -290,21 +340,28 @@ class Sandbox:
             self._pool = None
 
 
-def _read_results(path: Path | None, n: int) -> list[TestOutcome]:
-    """One outcome per test: the harness's verdicts, and "not reached" for tests it never finished."""
+def _outcomes(report: list[dict[str, Any]], n: int) -> list[TestOutcome]:
+    """One outcome per test from the judge's report; a test it never reported (the execution was
+    stopped first) is failed, "not reached"."""
     seen: dict[int, TestOutcome] = {}
-    program_error = None
-    if path is not None and path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(d, dict):
-                continue
-            if "program_error" in d:
-                program_error = str(d["program_error"])
-            elif isinstance(d.get("test"), int) and 0 <= d["test"] < n:
-                seen[d["test"]] = TestOutcome(d["test"], d.get("ok") is True, d.get("error"))
-    missing = f"not reached ({program_error})" if program_error else "not reached"
-    return [seen.get(i, TestOutcome(i, False, missing)) for i in range(n)]
+    for d in report:
+        i = d.get("test")
+        if type(i) is int and 0 <= i < n:
+            error = d.get("error")
+            seen[i] = TestOutcome(i, d.get("ok") is True, None if error is None else str(error))
+    return [seen.get(i, TestOutcome(i, False, "not reached")) for i in range(n)]
+
+
+def _judge_failure(raw: RawResult) -> str | None:
+    """Why the judge itself failed (it could not start, or reported an error of its own), or None.
+    A judge stopped by a limit or by weir at the deadline is not a failure of the sandbox: the
+    tests it had not reported count as failed."""
+    if raw.start_error:
+        return None
+    if any("judge_error" in d for d in raw.judge):
+        err = next(str(d["judge_error"]) for d in raw.judge if "judge_error" in d)
+        return f"the judge failed: {err.strip().splitlines()[-1] if err.strip() else err}"
+    if not any("up" in d for d in raw.judge) and raw.judge_exit is not None:
+        tail = raw.judge_stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+        return f"the judge could not start: {tail[0] if tail else f'exit {raw.judge_exit}'}"
+    return None
