@@ -20,13 +20,11 @@ answered with something that is not plain data, or broke the protocol): such a f
 `ProgramFailure`, a BaseException a test's ``except Exception`` cannot swallow, and counts even if
 the test catches it. Once the program is gone, the remaining tests fail as not reached.
 
-This file is stdlib-only: weir runs it with the sandbox's interpreter (``python -I -c``), after the
-source of `weir.sandbox.wire` (see `judge_command`).
+This file is stdlib-only: weir runs it with the sandbox's interpreter (``python -I -S -c``, with
+the interpreter's import path from weir), after `weir.sandbox.wire` (see `weir.sandbox.boot`).
 """
 
 import builtins
-import contextlib
-import json
 import os
 import sys
 
@@ -81,7 +79,7 @@ class Link:
             self.gone = f"a reply over {self.cap} bytes"
             raise ProgramFailure(self.gone)
         try:
-            msg = json.loads(line)
+            msg = wire.json_loads(line)
         except (ValueError, RecursionError):
             msg = None
         if type(msg) is not dict or len(msg) != 1:
@@ -91,10 +89,8 @@ class Link:
 
     def call(self, name, args, kwargs):
         try:
-            request = json.dumps(
-                {"call": name, "args": wire.to_wire(list(args)), "kwargs": wire.to_wire(kwargs)},
-                ensure_ascii=True,
-                allow_nan=False,
+            request = wire.json_dumps(
+                {"call": name, "args": wire.to_wire(list(args)), "kwargs": wire.to_wire(kwargs)}
             )
         except wire.Unencodable as e:
             raise TypeError(f"an argument of {name}() cannot be sent to the program: {e}") from None
@@ -128,8 +124,10 @@ class Link:
         raise ProgramFailure(why)
 
     def close(self):
-        with contextlib.suppress(OSError):
+        try:  # noqa: SIM105  (no contextlib: the judge imports as little as it can)
             os.close(self.req_fd)
+        except OSError:
+            pass
 
 
 class Candidate:
@@ -152,9 +150,11 @@ def _write_all(fd, data):
         view = view[os.write(fd, view) :]
 
 
+_REPORT = [1]  # the fd verdicts go to
+
+
 def _report(obj):
-    sys.stdout.write(json.dumps(obj, ensure_ascii=True) + "\n")
-    sys.stdout.flush()
+    _write_all(_REPORT[0], (wire.json_dumps(obj) + "\n").encode())
 
 
 def _limit(cfg):
@@ -226,49 +226,99 @@ def judge(cfg, link):
         _report({"test": i, "ok": error is None, "error": None if error is None else error[:500]})
 
 
-def main():
-    """Entry point of the judge process: ``argv = [-, request fd, reply fd]``, config on stdin."""
+def run_job(cfg_fd, report_fd, req_fd, resp_fd):
+    """One judge: the config (JSON) from `cfg_fd`, verdicts to `report_fd`, the program behind
+    `req_fd` / `resp_fd`. Never returns."""
+    _REPORT[0] = report_fd
     _report({"up": 1})
     try:
-        cfg = json.loads(sys.stdin.read())
+        with os.fdopen(cfg_fd, "rb") as f:
+            cfg = wire.json_loads(f.read())
         _limit(cfg.get("limits", {}))
-        link = Link(int(sys.argv[1]), int(sys.argv[2]), int(cfg["reply_bytes"]))
+        if cfg.get("path"):
+            sys.path[:] = cfg["path"]
+        link = Link(req_fd, resp_fd, int(cfg["reply_bytes"]))
         judge(cfg, link)
         link.close()
-    except MemoryError:
-        raise
+        _report({"done": 1})
     except BaseException as e:
-        import traceback
+        try:
+            import traceback
 
-        _report({"judge_error": "".join(traceback.format_exception(e))[-2000:]})
-        sys.exit(3)
-    _report({"done": 1})
-    sys.stdout.flush()
+            text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            _report({"judge_error": text[-2000:]})
+        finally:
+            os._exit(3)
     os._exit(0)
 
 
-def judge_command(python, req_fd, resp_fd):
-    """The command that runs the judge under `python` (isolated mode), talking to the program over
-    the pipes `req_fd` (requests) and `resp_fd` (replies)."""
-    return [python, "-I", "-B", "-c", _boot(), str(req_fd), str(resp_fd)]
+def serve(sock_fd):
+    """The judge server: one message per job on the unix socket `sock_fd` (``{"job": id}`` with
+    the job's four fds, see `run_job`), answered by forking a judge for it; ``{"kill": id}`` kills
+    that judge. It forks from a clean interpreter that has loaded the judge once, so a judge costs
+    a fork, not an interpreter's start-up. Ends when weir closes the socket."""
+    import signal
+    import socket
+
+    sock = socket.socket(fileno=sock_fd)
+    children = {}
+
+    def reap(*_):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if not pid:
+                return
+            for job, child in list(children.items()):
+                if child == pid:
+                    del children[job]
+
+    signal.signal(signal.SIGCHLD, reap)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1024, 4)
+        except OSError:
+            break
+        if not msg:
+            break
+        try:
+            req = wire.json_loads(msg)
+        except ValueError:
+            req = {}
+        if "kill" in req:
+            if req["kill"] in children:
+                _sigkill(children[req["kill"]])
+        elif "job" in req and len(fds) == 4:
+            try:
+                pid = os.fork()
+            except OSError:
+                pid = -1  # closing the fds below tells weir the judge never started
+            if pid == 0:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sock.close()
+                run_job(*fds)
+            if pid > 0:
+                children[req["job"]] = pid
+        for fd in fds:
+            os.close(fd)
+    for pid in list(children.values()):
+        _sigkill(pid)
+    os._exit(0)
 
 
-def _boot():
-    """The judge's ``-c`` program: the wire module's source, then this file's, then `main`."""
-    global _BOOT
-    if _BOOT is None:
-        from pathlib import Path
-
-        here = Path(__file__).parent
-        _BOOT = (
-            "import types as _t\n"
-            "wire = _t.ModuleType('wire')\n"
-            f"exec(compile({(here / 'wire.py').read_text()!r}, 'wire.py', 'exec'), wire.__dict__)\n"
-            "_ns = {'__name__': '__weir_judge__', 'wire': wire}\n"
-            f"exec(compile({Path(__file__).read_text()!r}, 'judge.py', 'exec'), _ns)\n"
-            "_ns['main']()\n"
-        )
-    return _BOOT
+def _sigkill(pid):
+    try:  # noqa: SIM105  (no contextlib: the judge imports as little as it can)
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
 
 
-_BOOT = None
+def server_command(python, sock_fd):
+    """The command that runs the judge server under `python` on the socket `sock_fd` (isolated
+    mode, no ``site``: each judge gets the interpreter's import path in its config)."""
+    from weir.sandbox.boot import boot_program, source_of
+
+    main = ("<weir-judge>", source_of("judge") + f"\nserve({int(sock_fd)})\n")
+    return [python, "-I", "-S", "-B", "-c", boot_program(python, main, "__weir_judge__")]

@@ -18,13 +18,12 @@ the OS levels do that.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
+from weir.sandbox.boot import boot_program
 from weir.sandbox.isolation import Isolation
 
 __all__ = ["Language", "Prepared", "Python", "LANGUAGES", "get_language", "DENIED_MARK", "HELLO"]
@@ -119,104 +118,114 @@ def _weir_guard(work):
 
 _LAUNCHER = r"""
 import os as _wo, sys as _ws
-_wo.write(int(_ws.argv[1]), b"weir-started\n")
-_wo.close(int(_ws.argv[1]))
-_WREQ, _WRESP = int(_ws.argv[2]), int(_ws.argv[3])
-import json as _wj, types as _wt
-_WC = _wj.loads({config!r})
+_wo.write(int(_ws.argv[2]), b"weir-started\n")
+_wo.close(int(_ws.argv[2]))
+_WREQ, _WRESP = int(_ws.argv[3]), int(_ws.argv[4])
+_WC = wire.json_loads(_ws.argv[1])
 _ws.argv = [_WC["program"], *_WC["args"]]
-if _WREQ >= 0:
-    _wire = _wt.ModuleType("wire")
-    exec(compile(_WC["wire"], "wire.py", "exec"), _wire.__dict__)
-{guard}
 if _WC["guard"]:
     _weir_guard(_wo.getcwd())
-_WNS = {{"__name__": "__main__", "__file__": _WC["program"], "__builtins__": __builtins__}}
+_WNS = {"__name__": "__main__", "__file__": _WC["program"], "__builtins__": __builtins__}
+_WHIDE = ("<weir-launcher>", "<weir-wire>", "<string>")
+
+
 def _wtraceback(e):
     import traceback as _wtb
-    frames = [f for f in _wtb.extract_tb(e.__traceback__) if not f.filename.endswith(".weir_launch.py")]
+
+    frames = [f for f in _wtb.extract_tb(e.__traceback__) if f.filename not in _WHIDE]
     text = "".join(_wtb.format_list(frames)) + "".join(_wtb.format_exception_only(type(e), e))
     _ws.stderr.write("Traceback (most recent call last):\n" + text)
+
+
 def _wdie(e):
     _wtraceback(e)
     _ws.stdout.flush()
     _wo._exit(1)
-if _WREQ < 0:
-    try:
-        with open(_WC["program"], "rb") as _wf:
-            exec(compile(_wf.read(), _WC["program"], "exec"), _WNS)
-    except SystemExit:
-        raise
-    except BaseException as _we:
-        _wdie(_we)
-    raise SystemExit(0)
-def _wsend(obj):
-    line = _wj.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode() + b"\n"
-    if len(line) > _WC["reply_bytes"]:
-        line = b'{{"x":"a reply over %d bytes"}}\n' % _WC["reply_bytes"]
-    view = memoryview(line)
-    while view:
-        view = view[_wo.write(_WRESP, view):]
+
+
 def _wtext(e):
     try:
         return str(e)[:1000]
     except BaseException:
         return "(unprintable)"
-try:
-    with open(_WC["program"], "rb") as _wf:
-        exec(compile(_wf.read(), _WC["program"], "exec"), _WNS)
-except BaseException as _we:
-    _wsend({{"program_error": (type(_we).__name__ + ": " + _wtext(_we))[:500]}})
-    if isinstance(_we, SystemExit):
-        raise
-    _wdie(_we)
+
+
+def _wsend(obj):
+    line = wire.json_dumps(obj).encode() + b"\n"
+    if len(line) > _WC["reply_bytes"]:
+        line = b'{"x":"a reply over %d bytes"}\n' % _WC["reply_bytes"]
+    view = memoryview(line)
+    while view:
+        view = view[_wo.write(_WRESP, view) :]
+
+
 def _wready():
-    names, values, budget = [], {{}}, _WC["reply_bytes"] // 2
+    names, values, budget = [], [], _WC["reply_bytes"] // 2
     for k, v in list(_WNS.items()):
-        if k.startswith("__") or isinstance(v, _wt.ModuleType):
+        if k.startswith("__") or type(v) is type(_ws):
             continue
         if callable(v):
             names.append(k)
             continue
         try:
-            enc = _wire.to_wire(v)
-            size = len(_wj.dumps(enc))
+            enc = wire.to_wire(v)
+            size = len(wire.json_dumps(enc))
         except Exception:
             continue
         if size <= budget:
-            values[k], budget = enc, budget - size
-    return {{"ready": {{"names": names, "values": {{"$d": [[k, v] for k, v in values.items()]}}}}}}
-_wsend(_wready())
-_wreq = _wo.fdopen(_WREQ, "rb")
-while True:
-    _wline = _wreq.readline()
-    if not _wline:
-        break
-    try:
-        _wmsg = _wj.loads(_wline)
-        _wname = _wmsg["call"]
-        _wfn = _WNS.get(_wname)
-        if _wfn is None:
-            raise NameError("name %r is not defined" % _wname)
-        _wres = _wfn(*_wire.from_wire(_wmsg["args"]), **_wire.from_wire(_wmsg["kwargs"]))
-    except BaseException as _we:
-        _wreply = {{"e": [type(_we).__name__, _wtext(_we)]}}
-    else:
+            values.append([k, enc])
+            budget -= size
+    return {"ready": {"names": names, "values": {"$d": values}}}
+
+
+def _wserve():
+    requests = _wo.fdopen(_WREQ, "rb")
+    while True:
+        line = requests.readline()
+        if not line:
+            return
         try:
-            _wreply = {{"r": _wire.to_wire(_wres)}}
-        except BaseException as _we:
-            _wreply = {{"x": _wtext(_we)}}
-    _wres = None
-    _wsend(_wreply)
-_ws.stdout.flush()
-_ws.stderr.flush()
-_wo._exit(0)
+            msg = wire.json_loads(line)
+            fn = _WNS.get(msg["call"])
+            if fn is None:
+                raise NameError("name %r is not defined" % msg["call"])
+            result = fn(*wire.from_wire(msg["args"]), **wire.from_wire(msg["kwargs"]))
+        except BaseException as e:
+            reply = {"e": [type(e).__name__, _wtext(e)]}
+        else:
+            try:
+                reply = {"r": wire.to_wire(result)}
+            except BaseException as e:
+                reply = {"x": _wtext(e)}
+        result = None
+        _wsend(reply)
+
+
+try:
+    with open(_WC["program"], "rb") as _wf:
+        _WCODE = compile(_wf.read(), _WC["program"], "exec")
+    exec(_WCODE, _WNS)
+except SystemExit as _we:
+    if _WREQ >= 0:
+        _wsend({"program_error": ("SystemExit: " + _wtext(_we))[:500]})
+    raise
+except BaseException as _we:
+    if _WREQ >= 0:
+        _wsend({"program_error": (type(_we).__name__ + ": " + _wtext(_we))[:500]})
+    _wdie(_we)
+if _WREQ >= 0:
+    _wsend(_wready())
+    _wserve()
+    _ws.stdout.flush()
+    _ws.stderr.flush()
+    _wo._exit(0)
 """
 
 
 class Python:
     """Python programs, run by the sandbox's interpreter in isolated mode (``-I -B``: no user site,
-    no environment variables, no bytecode files)."""
+    no environment variables, no bytecode files). The launcher reaches the interpreter as a ``-c``
+    program (`weir.sandbox.boot`), the program as ``solution.py`` in its work directory."""
 
     name = "python"
     program_file = "solution.py"
@@ -236,21 +245,15 @@ class Python:
                 "program": self.program_file,
                 "args": list(args),
                 "guard": guard,
-                "wire": _wire_source() if serve else None,
                 "reply_bytes": reply_bytes,
-            }
+            },
+            ensure_ascii=True,
         )
-        launcher = _LAUNCHER.format(config=config, guard=_GUARD if guard else "")
-        files = {
-            self.program_file: program.encode("utf-8", "surrogatepass"),
-            ".weir_launch.py": launcher.encode("utf-8"),
-        }
-        return Prepared([iso.python, "-I", "-B", ".weir_launch.py"], files)
-
-
-@functools.lru_cache(maxsize=1)
-def _wire_source() -> str:
-    return (Path(__file__).parent / "wire.py").read_text(encoding="utf-8")
+        boot = boot_program(
+            iso.python, ("<weir-launcher>", _GUARD + _LAUNCHER), "__weir_launcher__"
+        )
+        files = {self.program_file: program.encode("utf-8", "surrogatepass")}
+        return Prepared([iso.python, "-I", "-B", "-c", boot, config], files)
 
 
 LANGUAGES: dict[str, Language] = {"python": Python()}

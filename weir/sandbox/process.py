@@ -1,14 +1,15 @@
-"""Run one execution: the program under its isolation level and limits, and the judge beside it.
+"""Run one execution: the program under its isolation level and limits, and its judge beside it.
 
 weir is the supervisor. It starts the program (wrapped by the level, limits set by ``prlimit``
-inside the level's namespaces) with three pipes besides stdin/stdout/stderr: the start pipe, on
-which the launcher says it started before any program code runs, and, with tests, the request and
-reply pipes to the judge, a second process outside the sandbox (`weir.sandbox.judge`) that gets the
-tests on its stdin and writes its verdicts to its stdout, pipes only weir holds. weir feeds stdin,
-reads every output up to its cap, kills everything at the wall-clock limit, and reaps what it
-started with ``wait4`` (the CPU time and peak memory of the program's tree; for a tree it had to
-kill, the CPU time its processes had used just before). Nothing the program writes to a file is
-ever read: what weir reports comes from pipes, exit statuses and /proc.
+inside the level's namespaces) with three pipes besides stdin, stdout and stderr: the start pipe,
+on which the launcher says it started before any program code runs, and, with tests, the request
+and reply pipes to the judge, which the judge server (`weir.sandbox.judge_server`) forks outside
+the sandbox and which gets the tests from a config pipe and writes its verdicts to a report pipe:
+pipes only weir and the judge hold. weir feeds the inputs, reads every output up to its cap, kills
+everything at the wall-clock limit, and reaps the program with ``wait4`` (the CPU time and peak
+memory of its tree; for a tree it had to kill, the CPU time its processes had used just before).
+Nothing the program writes to a file is ever read: what weir reports comes from pipes, exit
+statuses and /proc.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weir.sandbox.isolation import Isolation, nproc_limit, wrap_command
-from weir.sandbox.judge import judge_command
+from weir.sandbox.judge_server import JudgeServer
 from weir.sandbox.languages import HELLO
 from weir.sandbox.limits import Limits
 from weir.sandbox.uids import kill_uid, tree_cpu, user_process_count
 
-__all__ = ["RawResult", "JudgeJob", "run_process", "limit_prefix"]
+__all__ = ["RawResult", "JudgeJob", "run_process", "limit_prefix", "judge_limits"]
 
 _MB = 1 << 20
 _READ = 1 << 16
@@ -40,11 +41,11 @@ _LINGER_S = 1.0  # how long the program may outlive a judge that has finished
 
 @dataclass
 class JudgeJob:
-    """The judge's part of an execution: its config (tests, prefix, entry points, limits) and the
-    uid it runs under (None: weir's own)."""
+    """The judge's part of an execution: its config (tests, prefix, entry points, limits, import
+    path) and the server that forks it."""
 
     config: dict[str, Any]
-    uid: int | None
+    server: JudgeServer
 
 
 @dataclass
@@ -52,7 +53,7 @@ class RawResult:
     """What the supervisor saw. `killed_for` is set when it killed the tree itself (``timeout``,
     ``output_limit``, or ``lingered``: still running after the judge had finished); `started` is
     whether the launcher's hello came through the start pipe; `judge` holds the judge's report
-    lines, `judge_exit` its exit status (None if it never ran or was killed)."""
+    lines."""
 
     exit_code: int | None
     signal: int | None
@@ -65,8 +66,6 @@ class RawResult:
     start_error: str | None = None
     started: bool = False
     judge: list[dict[str, Any]] = field(default_factory=list)
-    judge_exit: int | None = None
-    judge_stderr: bytes = b""
 
 
 def limit_prefix(limits: Limits, nproc: int, python: str) -> list[str]:
@@ -107,34 +106,30 @@ def judge_limits(limits: Limits) -> dict[str, Any]:
     }
 
 
-class _Proc:
-    """One started process and what weir collects from it."""
+class _Fds:
+    """The fds weir opened for one execution, closed when it ends (or as soon as a child has its
+    copy)."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen = popen
-        self.pid = popen.pid
-        self.status: int | None = None
-        self.usage: Any = None
-        try:
-            self.pidfd: int | None = os.pidfd_open(popen.pid)
-        except (AttributeError, OSError):
-            self.pidfd = None
+    def __init__(self) -> None:
+        self.open: list[int] = []
 
-    def reap(self, block: bool = False) -> bool:
-        if self.status is None:
-            pid, status, usage = os.wait4(self.pid, 0 if block else os.WNOHANG)
-            if pid:
-                self.status, self.usage = status, usage
-                self.popen.returncode = 0  # reaped here: keep Popen from waiting on a gone pid
-        return self.status is not None
+    def pipe(self) -> tuple[int, int]:
+        r, w = os.pipe()
+        self.open += [r, w]
+        return r, w
 
-    def close(self) -> None:
-        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            if stream is not None and not stream.closed:
-                stream.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
+    def add(self, fd: int) -> int:
+        self.open.append(fd)
+        return fd
+
+    def close(self, *fds: int) -> None:
+        for fd in fds:
+            if fd in self.open:
+                self.open.remove(fd)
+                os.close(fd)
+
+    def close_all(self) -> None:
+        self.close(*list(self.open))
 
 
 def run_process(
@@ -151,25 +146,34 @@ def run_process(
 ) -> RawResult:
     """Run the program `argv` (the three pipe fds are appended) inside `iso` under `limits`, as
     `uid` when given, with `files` in its work directory (`workdir` for the levels without a file
-    system of their own), and the judge beside it when given; reap everything."""
-    own: list[int] = []  # fds weir closes when done
+    system of their own) and its judge beside it when given; reap everything."""
+    fds = _Fds()
     try:
-        return _run(argv, iso, limits, workdir, files, stdin, uid, env, judge, own)
+        return _run(argv, iso, limits, workdir, files, stdin, uid, env, judge, fds)
     finally:
-        for fd in own:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        fds.close_all()
 
 
-def _pipe(own: list[int]) -> tuple[int, int]:
-    r, w = os.pipe()
-    own += [r, w]
-    return r, w
-
-
-def _close(fd: int, own: list[int]) -> None:
-    os.close(fd)
-    own.remove(fd)
+def _place_files(
+    iso: Isolation, workdir: str | None, files: dict[str, bytes], uid: int | None, fds: _Fds
+) -> dict[str, int]:
+    """Write `files` into the work directory; under bwrap into memfds it copies into its tmpfs."""
+    if iso.level == "bwrap":
+        out = {}
+        for name, data in files.items():
+            fd = fds.add(os.memfd_create(name, os.MFD_CLOEXEC))
+            os.write(fd, data)
+            os.lseek(fd, 0, os.SEEK_SET)
+            out[name] = fd
+        return out
+    assert workdir is not None
+    for name, data in files.items():
+        path = os.path.join(workdir, name)
+        with open(path, "xb") as f:
+            f.write(data)
+        if uid is not None:
+            os.chown(path, uid, uid)
+    return {}
 
 
 def _run(
@@ -182,29 +186,21 @@ def _run(
     uid: int | None,
     env: dict[str, str] | None,
     judge: JudgeJob | None,
-    own: list[int],
+    fds: _Fds,
 ) -> RawResult:
-    ctl_r, ctl_w = _pipe(own)
-    req_r = req_w = resp_r = resp_w = -1
-    if judge is not None:
-        req_r, req_w = _pipe(own)
-        resp_r, resp_w = _pipe(own)
-    file_fds: dict[str, int] = {}
-    if iso.level == "bwrap":  # copied into its tmpfs work directory by bwrap
-        for name, data in files.items():
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
-            own.append(fd)
-            os.write(fd, data)
-            os.lseek(fd, 0, os.SEEK_SET)
-            file_fds[name] = fd
-    else:
-        assert workdir is not None
-        for name, data in files.items():
-            path = os.path.join(workdir, name)
-            with open(path, "wb") as f:
-                f.write(data)
-            if uid is not None:
-                os.chown(path, uid, uid)
+    ctl_r, ctl_w = fds.pipe()
+    req_r = resp_w = -1
+    jpipes: dict[str, int] = {}
+    job = None
+    if judge is not None:  # the judge first: if it cannot start, the program never does
+        cfg_r, cfg_w = fds.pipe()
+        report_r, report_w = fds.pipe()
+        req_r, req_w = fds.pipe()
+        resp_r, resp_w = fds.pipe()
+        job = judge.server.submit([cfg_r, report_w, req_w, resp_r])
+        fds.close(cfg_r, report_w, req_w, resp_r)
+        jpipes = {"cfg": cfg_w, "report": report_r}
+    file_fds = _place_files(iso, workdir, files, uid, fds)
     nproc = nproc_limit(iso, limits.processes)
     if uid is None and iso.level == "rlimit":  # RLIMIT_NPROC counts all of weir's user's tasks
         nproc += user_process_count()
@@ -218,104 +214,73 @@ def _run(
     ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     start = time.monotonic()
     try:
-        cand = _Proc(
-            subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=workdir or "/",
-                env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                start_new_session=True,
-                close_fds=True,
-                pass_fds=(ctl_w, *[fd for fd in (req_r, resp_w) if fd >= 0], *file_fds.values()),
-                **ids,
-            )
+        popen = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir or "/",
+            env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(ctl_w, *[fd for fd in (req_r, resp_w) if fd >= 0], *file_fds.values()),
+            **ids,
         )
     except OSError as e:
+        if job is not None and judge is not None:
+            judge.server.kill(job)
         return RawResult(
             None, None, b"", b"", 0.0, 0.0, 0.0, start_error=f"{type(e).__name__}: {e}"
         )
-    for fd in (ctl_w, req_r, resp_w, *file_fds.values()):
-        if fd >= 0:
-            _close(fd, own)
-    procs = [cand]
-    jproc = None
-    if judge is not None:
-        jids = {"user": judge.uid, "group": judge.uid, "extra_groups": []} if judge.uid else {}
-        try:
-            jproc = _Proc(
-                subprocess.Popen(
-                    judge_command(iso.python, req_w, resp_r),
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd="/",
-                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"},
-                    start_new_session=True,
-                    close_fds=True,
-                    pass_fds=(req_w, resp_r),
-                    **jids,
-                )
-            )
-        except OSError as e:
-            _kill([cand], uid)
-            cand.close()
-            return RawResult(
-                None,
-                None,
-                b"",
-                b"",
-                0.0,
-                0.0,
-                0.0,
-                start_error=f"the judge: {type(e).__name__}: {e}",
-            )
-        _close(req_w, own)
-        _close(resp_r, own)
-        procs.append(jproc)
+    fds.close(ctl_w, req_r, resp_w, *file_fds.values())
     try:
-        seen = _supervise(cand, jproc, judge, stdin, ctl_r, limits, start + limits.wall_s)
-        cpu = None
-        if not all(p.status is not None for p in procs):
-            if cand.status is None:
-                cpu = tree_cpu(cand.pid, uid)
-            _kill(procs, uid)
-            for p in procs:
-                p.reap(block=True)
-        wall = time.monotonic() - start
-        _kill(procs, uid)  # whatever the program left behind
+        pidfd: int | None = fds.add(os.pidfd_open(popen.pid))
+    except (AttributeError, OSError):
+        pidfd = None
+    seen: dict[str, Any] = {}
+    reaped = None
+    cpu = 0.0
+    try:
+        config = json.dumps(judge.config, ensure_ascii=True).encode() if judge else b""
+        deadline = start + limits.wall_s
+        seen = _supervise(popen, pidfd, stdin, ctl_r, jpipes, config, limits, deadline, fds)
+        reaped = seen.get("reaped")
+        if reaped is None:
+            cpu = tree_cpu(popen.pid, uid)
     finally:
-        for p in procs:
-            if p.status is None:
-                _kill([p], uid)
-                p.reap(block=True)
-            p.close()
-    code = os.waitstatus_to_exitcode(cand.status)
-    usage = cand.usage
-    jcode = os.waitstatus_to_exitcode(jproc.status) if jproc is not None else None
+        if job is not None and judge is not None and not seen.get("judge_done"):
+            judge.server.kill(job)
+        _kill_tree(popen.pid, uid)
+        if reaped is None:
+            _, status, usage = os.wait4(popen.pid, 0)
+            reaped = (status, usage)
+        popen.returncode = 0  # reaped here: keep Popen from waiting on a gone pid
+        _kill_tree(popen.pid, uid)  # whatever the program left behind
+        for stream in (popen.stdin, popen.stdout, popen.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
+    wall = time.monotonic() - start
+    status, usage = reaped
+    code = os.waitstatus_to_exitcode(status)
     return RawResult(
         exit_code=code if code >= 0 else None,
         signal=-code if code < 0 else None,
         stdout=bytes(seen["out"][: limits.output_bytes]),
         stderr=bytes(seen["err"][: limits.output_bytes]),
         wall_s=wall,
-        cpu_s=max(cpu or 0.0, usage.ru_utime + usage.ru_stime),
+        cpu_s=max(cpu, usage.ru_utime + usage.ru_stime),
         max_rss_mb=usage.ru_maxrss / 1024,
         killed_for=seen["killed_for"],
         started=bytes(seen["ctl"]) == HELLO,
-        judge=_report_lines(seen["judge"]),
-        judge_exit=None if jcode is None or seen["judge_killed"] else jcode,
-        judge_stderr=bytes(seen["judge_err"][-4000:]),
+        judge=_report_lines(seen["report"]),
     )
 
 
-def _kill(procs: list[_Proc], uid: int | None) -> None:
-    """SIGKILL each process's group (its session: the program's tree, at the rlimit level too) and,
-    under a leased uid, everything left under it."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
+def _kill_tree(pid: int, uid: int | None) -> None:
+    """SIGKILL the program's session (its tree, at the rlimit level too) and, under a leased uid,
+    everything left under it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
     if uid is not None:
         kill_uid(uid)
 
@@ -332,8 +297,10 @@ def _report_lines(data: bytearray) -> list[dict[str, Any]]:
     return lines
 
 
-def _write_some(sel: selectors.BaseSelector, key: Any, writes: dict[int, memoryview]) -> None:
-    """Write what the pipe takes of the pending data; close it when all is written (or the reader
+def _write_some(
+    sel: selectors.BaseSelector, key: Any, writes: dict[int, memoryview], fds: _Fds
+) -> None:
+    """Write what the pipe takes of the pending data; close it once all is written (or its reader
     is gone)."""
     try:
         n = os.write(key.fd, writes[key.fd][:_READ])
@@ -345,87 +312,90 @@ def _write_some(sel: selectors.BaseSelector, key: Any, writes: dict[int, memoryv
     if not writes[key.fd]:
         del writes[key.fd]
         sel.unregister(key.fileobj)
-        key.fileobj.close()
+        _close_input(key.fileobj, fds)
+
+
+def _close_input(target: Any, fds: _Fds) -> None:
+    """Close an input pipe: a Popen stream, or an fd of the execution's own."""
+    if isinstance(target, int):
+        fds.close(target)
+    else:
+        target.close()
 
 
 def _supervise(
-    cand: _Proc,
-    jproc: _Proc | None,
-    judge: JudgeJob | None,
+    popen: subprocess.Popen,
+    pidfd: int | None,
     stdin: bytes,
     ctl_r: int,
+    jpipes: dict[str, int],
+    config: bytes,
     limits: Limits,
     deadline: float,
+    fds: _Fds,
 ) -> dict[str, Any]:
-    """Feed the stdins, collect every output, reap exits; stop at the deadline, at an output over
-    its cap, or once everything has exited and its pipes are drained. Returns what was seen."""
-    seen: dict[str, Any] = {
-        "out": bytearray(),
-        "err": bytearray(),
-        "ctl": bytearray(),
-        "judge": bytearray(),
-        "judge_err": bytearray(),
+    """Feed the program's stdin and the judge's config, collect every output, reap the program;
+    stop at the deadline, at an output over its cap, once the program has exited and its pipes
+    are drained and the judge is done, or when the program outlives a finished judge. Returns
+    what was seen (``reaped``: the program's wait status and rusage, if it was reaped)."""
+    seen: dict[str, Any] = {k: bytearray() for k in ("out", "err", "ctl", "report")} | {
         "killed_for": None,
-        "judge_killed": False,
+        "reaped": None,
+        "judge_done": not jpipes,
     }
-    cp = cand.popen
-    assert cp.stdin and cp.stdout and cp.stderr
+    assert popen.stdin and popen.stdout and popen.stderr
     sel = selectors.DefaultSelector()
     writes: dict[int, memoryview] = {}
-
-    def feed(stream: Any, data: bytes) -> None:
+    inputs: dict[int, Any] = {}
+    for target, data in ((popen.stdin, stdin), (jpipes.get("cfg"), config)):
+        if target is None:
+            continue
+        fd = target if isinstance(target, int) else target.fileno()
         if data:
-            os.set_blocking(stream.fileno(), False)
-            writes[stream.fileno()] = memoryview(data)
-            sel.register(stream, selectors.EVENT_WRITE)
+            os.set_blocking(fd, False)
+            writes[fd], inputs[fd] = memoryview(data), target
+            sel.register(target, selectors.EVENT_WRITE)
         else:
-            stream.close()
-
-    feed(cp.stdin, stdin)
+            _close_input(target, fds)
     caps = {"out": limits.output_bytes + 1, "err": limits.output_bytes + 1, "ctl": 64}
-    sel.register(cp.stdout, selectors.EVENT_READ, "out")
-    sel.register(cp.stderr, selectors.EVENT_READ, "err")
+    sel.register(popen.stdout, selectors.EVENT_READ, "out")
+    sel.register(popen.stderr, selectors.EVENT_READ, "err")
     sel.register(ctl_r, selectors.EVENT_READ, "ctl")
-    procs = [cand]
-    if jproc is not None and judge is not None:
-        jp = jproc.popen
-        assert jp.stdin and jp.stdout and jp.stderr
-        feed(jp.stdin, json.dumps(judge.config, ensure_ascii=True).encode())
-        sel.register(jp.stdout, selectors.EVENT_READ, "judge")
-        sel.register(jp.stderr, selectors.EVENT_READ, "judge_err")
-        caps.update(judge=_JUDGE_OUTPUT, judge_err=_JUDGE_OUTPUT)
-        procs.append(jproc)
-    for p in procs:
-        if p.pidfd is not None:
-            sel.register(p.pidfd, selectors.EVENT_READ, p)
-    poll = 0.5 if all(p.pidfd is not None for p in procs) else 0.01
+    if "report" in jpipes:
+        sel.register(jpipes["report"], selectors.EVENT_READ, "report")
+        caps["report"] = _JUDGE_OUTPUT
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+    poll = 0.5 if pidfd is not None else 0.01
     judged_at = exited_at = None
     try:
         while True:
-            for p in procs:
-                p.reap()
-            reading = any(isinstance(k.data, str) for k in sel.get_map().values())
-            exited = all(p.status is not None for p in procs)
-            if exited and not reading:
+            if seen["reaped"] is None:
+                pid, status, usage = os.wait4(popen.pid, os.WNOHANG)
+                if pid:
+                    seen["reaped"] = (status, usage)
+            reading = {k.data for k in sel.get_map().values() if k.data in caps}
+            seen["judge_done"] = "report" not in reading
+            if seen["reaped"] is not None and not reading:
                 break
             now = time.monotonic()
             if now >= deadline:
                 seen["killed_for"] = "timeout"
                 break
-            if jproc is not None and jproc.status is not None and cand.status is None:
+            if jpipes and seen["judge_done"] and seen["reaped"] is None:
                 judged_at = judged_at or now  # the verdicts are in: the program's part is over
                 if now - judged_at > _LINGER_S:
                     seen["killed_for"] = "lingered"
                     break
-            if exited:  # a pipe is held open by a process the program left behind
-                exited_at = exited_at or now
+            if seen["reaped"] is not None and reading <= {"out", "err", "ctl"}:
+                exited_at = exited_at or now  # pipes held open by a process it left behind
                 if now - exited_at > 0.2:
                     break
             for key, _ in sel.select(min(deadline - now, poll)):
-                if isinstance(key.data, _Proc):
+                if key.data == "exit":
                     sel.unregister(key.fileobj)
                 elif key.fd in writes:
-                    _write_some(sel, key, writes)
+                    _write_some(sel, key, writes, fds)
                 else:
                     chunk = os.read(key.fd, _READ)
                     if not chunk:
@@ -438,6 +408,6 @@ def _supervise(
                         return seen
     finally:
         sel.close()
-        if jproc is not None and jproc.status is None:
-            seen["judge_killed"] = True
+        for fd in writes:  # inputs their readers never took to the end
+            _close_input(inputs[fd], fds)
     return seen

@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from weir.sandbox.boot import import_path
 from weir.sandbox.isolation import INNER_WORKDIR, JUDGE_UID, Isolation, detect
+from weir.sandbox.judge_server import JudgeServer
 from weir.sandbox.languages import DENIED_MARK, get_language
 from weir.sandbox.limits import ExecResult, Limits, TestOutcome
 from weir.sandbox.process import JudgeJob, RawResult, judge_limits, run_process
@@ -138,6 +140,7 @@ class Sandbox:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
+        self._judges: JudgeServer | None = None
         self._seconds: Counter[str] = Counter()
 
     @classmethod
@@ -275,8 +278,9 @@ class Sandbox:
                 "entry_points": list(entry_points) if entry_points else None,
                 "reply_bytes": limits.output_bytes,
                 "limits": judge_limits(limits),
+                "path": import_path(iso.python),
             }
-            judge = JudgeJob(config, JUDGE_UID if uid is not None else None)
+            judge = JudgeJob(config, self._judge_server(iso, uid is not None))
         data = stdin.encode("utf-8", "surrogateescape") if isinstance(stdin, str) else stdin
         raw = run_process(
             prepared.argv,
@@ -317,6 +321,12 @@ class Sandbox:
             tests=outcomes,
         )
 
+    def _judge_server(self, iso: Isolation, own_uid: bool) -> JudgeServer:
+        with self._lock:
+            if self._judges is None:
+                self._judges = JudgeServer(iso.python, JUDGE_UID if own_uid else None)
+            return self._judges
+
     async def arun(self, program: str, **kwargs: Any) -> ExecResult:
         """`run` in the sandbox's own thread pool (`max_parallel` threads), off the event loop."""
         with self._lock:
@@ -338,6 +348,8 @@ class Sandbox:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._judges is not None:
+            self._judges.close()
 
 
 def _outcomes(report: list[dict[str, Any]], n: int) -> list[TestOutcome]:
@@ -353,15 +365,15 @@ def _outcomes(report: list[dict[str, Any]], n: int) -> list[TestOutcome]:
 
 
 def _judge_failure(raw: RawResult) -> str | None:
-    """Why the judge itself failed (it could not start, or reported an error of its own), or None.
-    A judge stopped by a limit or by weir at the deadline is not a failure of the sandbox: the
-    tests it had not reported count as failed."""
-    if raw.start_error:
+    """Why the judge itself failed (it never started, or reported an error of its own), or None.
+    A judge stopped by a limit, or by weir at the deadline, is not the sandbox's failure: the tests
+    it had not reported count as failed."""
+    if raw.start_error or raw.killed_for in ("timeout", "output_limit"):
         return None
-    if any("judge_error" in d for d in raw.judge):
-        err = next(str(d["judge_error"]) for d in raw.judge if "judge_error" in d)
-        return f"the judge failed: {err.strip().splitlines()[-1] if err.strip() else err}"
-    if not any("up" in d for d in raw.judge) and raw.judge_exit is not None:
-        tail = raw.judge_stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
-        return f"the judge could not start: {tail[0] if tail else f'exit {raw.judge_exit}'}"
+    for d in raw.judge:
+        if "judge_error" in d:
+            lines = str(d["judge_error"]).strip().splitlines()
+            return f"the judge failed: {lines[-1] if lines else 'no reason given'}"
+    if not any("up" in d for d in raw.judge):
+        return "the judge never started"
     return None

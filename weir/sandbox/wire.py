@@ -21,8 +21,6 @@ This module is stdlib-only and self-contained: its source is put verbatim into t
 program's launcher and into the judge, which may run under another interpreter than weir's.
 """
 
-import json as _json
-
 _INT_MAX = 1 << 63
 _DEPTH = 100
 
@@ -159,16 +157,77 @@ def _complex(v):
 
 def dumps(value):
     """`value` as one line of the tagged encoding (ASCII, no newline)."""
-    return _json.dumps(to_wire(value), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return json_dumps(to_wire(value))
 
 
 def loads(text):
     """The plain value of one line of the tagged encoding; ValueError if it is not one."""
     try:
-        return from_wire(_json.loads(text, parse_constant=_no_constant))
+        return from_wire(json_loads(text))
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
 
+def json_dumps(obj):
+    """Compact ASCII JSON of `obj` (no NaN or Infinity), by the C encoder where there is one."""
+    if _C is not None:
+        return "".join(_C[1](obj, 0))
+    import json
+
+    return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def json_loads(text):
+    """The JSON value of `text` (bare NaN and Infinity refused); ValueError if it is not JSON."""
+    if type(text) is bytes:
+        text = text.decode("utf-8")
+    if _C is None:
+        import json
+
+        return json.loads(text, parse_constant=_no_constant)
+    try:
+        obj, end = _C[0](text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if text[end:].strip():
+        raise ValueError("extra data after the JSON value")
+    return obj
+
+
 def _no_constant(name):
     raise ValueError(f"bare {name} is not in the wire encoding")
+
+
+def _c_codec():
+    """The C scanner and encoder of CPython's ``_json`` (importing ``json`` would import ``re``,
+    which costs each sandboxed process more than the rest of its start-up), or None."""
+    try:
+        import _json
+
+        class _Context:
+            strict = True
+            object_hook = None
+            object_pairs_hook = None
+            parse_float = float
+            parse_int = int
+            parse_constant = staticmethod(_no_constant)
+            memo = {}
+
+        scan = _json.make_scanner(_Context())
+        encode = _json.make_encoder(
+            None, _not_json, _json.encode_basestring_ascii, None, ":", ",", False, False, False
+        )
+        if scan('[1,"\\u00e9",{"a":null}]', 0)[0] != [1, "\u00e9", {"a": None}]:
+            return None
+        if "".join(encode([1, "\u00e9", {"a": None}], 0)) != '[1,"\\u00e9",{"a":null}]':
+            return None
+        return scan, encode
+    except Exception:
+        return None
+
+
+def _not_json(obj):
+    raise TypeError(f"{type(obj).__name__} is not JSON")
+
+
+_C = _c_codec()
