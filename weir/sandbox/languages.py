@@ -201,9 +201,20 @@ def _wserve():
         _wsend(reply)
 
 
+def _wsource(data):
+    # the program's text as Python reads a source file: UTF-8 (strictly) unless it declares
+    # another encoding (PEP 263)
+    if b"coding" in b"\n".join(data.split(b"\n", 2)[:2]):
+        return data  # compile() honours the declaration
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SyntaxError(f"Non-UTF-8 code in the program ({e})") from None
+
+
 try:
     with open(_WC["program"], "rb") as _wf:
-        _WCODE = compile(_wf.read(), _WC["program"], "exec")
+        _WCODE = compile(_wsource(_wf.read()), _WC["program"], "exec")
     exec(_WCODE, _WNS)
 except SystemExit as _we:
     if _WREQ >= 0:
@@ -252,7 +263,11 @@ class Python:
         boot = boot_program(
             iso.python, ("<weir-launcher>", _GUARD + _LAUNCHER), "__weir_launcher__"
         )
-        files = {self.program_file: program.encode("utf-8", "surrogatepass")}
+        try:  # text decoded with surrogateescape: its own bytes back
+            data = program.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = program.encode("utf-8", "surrogatepass")
+        files = {self.program_file: data}
         return Prepared([iso.python, "-I", "-B", "-c", boot, config], files)
 
 

@@ -38,8 +38,6 @@ __all__ = ["Sandbox", "classify"]
 
 log = logging.getLogger(__name__)
 
-_SIGNALS = {24: "cpu_time", 25: "file_size"}  # SIGXCPU, SIGXFSZ
-
 
 def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
     """(status, reason) of the program's part of a finished execution: the sandbox's own kill
@@ -57,10 +55,14 @@ def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
     sig = raw.signal
     if sig is None and raw.exit_code is not None and raw.exit_code > 128:
         sig = raw.exit_code - 128 if raw.exit_code - 128 in (9, 24, 25) else None  # via a wrapper
-    if sig in _SIGNALS or (sig == 9 and raw.cpu_s >= limits.cpu_s):
-        kind = _SIGNALS.get(sig, "cpu_time")
-        what = f"CPU time limit {limits.cpu_s:g} s" if kind == "cpu_time" else "file size limit"
-        return kind, f"{what} exceeded"
+    if sig == 25:
+        return "file_size", f"file size limit {limits.file_bytes} bytes exceeded"
+    # RLIMIT_CPU's soft limit sends SIGXCPU, which a PID namespace's first process ignores (it gets
+    # SIGKILL at the hard limit, and unshare reports that as its own error): the CPU time the
+    # kernel accounted decides
+    soft_cpu = max(1, int(limits.cpu_s + 0.999))
+    if sig == 24 or (raw.exit_code != 0 and raw.cpu_s >= soft_cpu - 0.01):
+        return "cpu_time", f"CPU time limit {limits.cpu_s:g} s exceeded"
     if raw.exit_code == 0:
         return "ok", ""
     if DENIED_MARK in tail:
