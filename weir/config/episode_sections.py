@@ -163,7 +163,8 @@ class SandboxConfig(Section):
     memory_mb: int = Field(512, ge=16)
     """Address-space limit per process (RLIMIT_AS), MiB."""
     processes: int = Field(16, ge=1)
-    """Processes and threads an execution may have (RLIMIT_NPROC; exact when weir runs as root)."""
+    """Processes and threads a program may have at once, its main process included (RLIMIT_NPROC;
+    exact at bwrap and namespaces, and at rlimit when weir runs as root)."""
     open_files: int = Field(64, ge=8)
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     output_bytes: int = Field(1 << 20, ge=1024)

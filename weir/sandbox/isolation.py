@@ -3,8 +3,9 @@
 From strongest to weakest (docs/code.md says what each does and does not protect against):
 
 - ``bwrap``: bubblewrap puts the program in new user, PID, network, IPC, UTS and cgroup namespaces
-  with a file system of its own: /usr (and the interpreter's prefix) read-only, an empty /tmp, a
-  private /proc and /dev, and the work directory; nothing else of the host exists for it.
+  with a file system of its own: /usr (and the interpreter's prefix) read-only, a read-only root
+  and /dev, a private /proc, and the only writable places tmpfs mounts of `Limits.disk_mb` each
+  (the work directory /sandbox, /tmp, /dev/shm); nothing else of the host exists for it.
 - ``namespaces``: util-linux ``unshare``: new network (no interfaces but loopback: no network), PID
   (it cannot see or signal host processes; all its processes die with it), IPC, UTS and mount
   namespaces with its own /proc; the host file system stays visible, guarded only by file
@@ -12,9 +13,11 @@ From strongest to weakest (docs/code.md says what each does and does not protect
 - ``rlimit``: resource limits and a fresh work directory only, plus the Python guard (an in-process
   audit hook, which stops accidents and naive programs, not a determined attacker).
 
-Every level applies the resource limits (`Limits`, via ``prlimit``), a minimal environment, a new
-session, and, when weir runs as root, a uid of its own per execution, leased machine-wide (so the
-process cap is exact and its leftover processes can be found and killed).
+Every level applies the resource limits (`Limits`, via ``prlimit`` inside the level's namespaces),
+a minimal environment, a new session, and, when weir runs as root, a uid of its own per execution,
+leased machine-wide (so its leftover processes can be found and killed). The judge that runs an
+execution's tests is not in the program's sandbox at all (`weir.sandbox.judge`), and runs as
+`JUDGE_UID` when weir is root.
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ class Limits:
     """Resource limits of one execution.
 
     wall_s: real time from start to kill; cpu_s: CPU seconds (RLIMIT_CPU, SIGXCPU then SIGKILL a second
-    later); memory_mb: address space per process (RLIMIT_AS); processes: processes and threads of the
-    execution (RLIMIT_NPROC; exact only where each execution runs under its own uid, see docs/code.md);
+    later); memory_mb: address space per process (RLIMIT_AS); processes: processes and threads the
+    program may have at once, its main process included (RLIMIT_NPROC, set inside the level's
+    namespaces: exact under a uid of its own or in a user namespace, see docs/code.md);
     open_files: RLIMIT_NOFILE; output_bytes: stdout and stderr each, the program is killed past it
     (also the largest reply a program may send the judge); file_bytes: largest file it may write
     (RLIMIT_FSIZE); disk_mb: what each place it may write holds, MiB (at bwrap the work directory,
