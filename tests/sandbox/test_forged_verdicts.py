@@ -86,7 +86,10 @@ class EqFloat(float):
 def test_an_object_whose_comparisons_always_succeed_cannot_pass(level, sandboxes, returns):
     f_ret, root_ret = returns
     code = ALWAYS_EQUAL + f"def f(x): return {f_ret}\ndef find_root(xs): return {root_ret}\n"
-    for row in (ROW, HE_ROW, {"tests": ["assert f(1)", "assert f(1) is not None and f(2) == 4"]}):
+    rows = [ROW, HE_ROW]
+    if f_ret == "Yes()":  # truthy as well
+        rows.append({"tests": ["assert f(1)", "assert f(1) is not None and f(2) == 4"]})
+    for row in rows:
         assert_zero_not_failed(scored(sandboxes(level), _block(code), row))
 
 
@@ -198,8 +201,9 @@ def test_a_crash_scores_0_and_is_not_a_sandbox_failure(level, sandboxes, name):
     crash = CRASHES[name]
     sb = sandboxes(level)
     assert_zero_not_failed(scored(sb, _block(crash + WRONG), ROW))
-    io_row = {"cases": [{"input": "2\n", "output": "4"}]}
-    assert_zero_not_failed(scored(sb, _block(crash + "print(4)\n"), io_row, "code_io"))
+    if name in ("removes_its_files", "fakes_a_bwrap_error"):  # and where stdout is the verdict
+        io_row = {"cases": [{"input": "2\n", "output": "4"}]}
+        assert_zero_not_failed(scored(sb, _block(crash + "print(4)\n"), io_row, "code_io"))
     inside = crash.replace("\n", "\n    ")  # the same, from inside the function the judge calls
     assert_zero_not_failed(scored(sb, _block(f"def f(x):\n    {inside}\n    return x * x\n"), ROW))
 

@@ -62,7 +62,7 @@ def _same(a, b) -> bool:
 
 
 @given(values)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_plain_values_round_trip_exactly(value):
     line = wire.dumps(value)
     assert line.isascii() and "\n" not in line
@@ -94,7 +94,7 @@ json_objects = st.recursive(
 
 
 @given(json_objects)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 def test_whatever_arrives_decodes_to_plain_builtin_values_or_is_refused(obj):
     try:
         value = wire.from_wire(obj)

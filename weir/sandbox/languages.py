@@ -122,6 +122,11 @@ _wo.write(int(_ws.argv[2]), b"weir-started\n")
 _wo.close(int(_ws.argv[2]))
 _WREQ, _WRESP = int(_ws.argv[3]), int(_ws.argv[4])
 _WC = wire.json_loads(_ws.argv[1])
+import _signal as _wsig  # (the signal module would import enum)
+
+# the CPU limit's SIGXCPU ends the program with 128 + 24 even where it is a PID namespace's first
+# process, which ignores signals it has no handler for (it would run on to the hard limit)
+_wsig.signal(24, lambda *_: _wo._exit(152))
 _ws.argv = [_WC["program"], *_WC["args"]]
 if _WC["guard"]:
     _weir_guard(_wo.getcwd())
