@@ -86,7 +86,9 @@ def test_cpu_seconds_are_those_the_program_used(level, sandboxes):
     used = float((killed.stdout.split() or [0])[-1])  # the last figure the program printed
     assert used - 0.05 <= killed.cpu_s <= killed.wall_s + 0.1, (used, killed.cpu_s)  # in ticks
     capped = sandboxes(level, wall_s=30, cpu_s=1).run(SPIN, args=["100"])
-    assert capped.status == "cpu_time" and 0.95 <= capped.cpu_s < 1.5, (
+    # the kernel enforces the limit on its tick-sampled CPU time, which on a busy machine runs
+    # ahead of the precise time reported
+    assert capped.status == "cpu_time" and 0.7 <= capped.cpu_s < 1.5, (
         capped.status,
         capped.cpu_s,
     )
