@@ -81,7 +81,7 @@ def test_cpu_seconds_are_those_the_program_used(level, sandboxes):
     r = sandboxes(level).run(SPIN, args=["0.5"])
     assert r.status == "ok", (r.status, r.reason)
     assert 0.5 <= r.cpu_s <= r.wall_s + 0.1, (r.cpu_s, r.wall_s)
-    killed = sandboxes(level, wall_s=2.5, cpu_s=30).run(SPIN_REPORTING)
+    killed = sandboxes(level, wall_s=1.5, cpu_s=30).run(SPIN_REPORTING)
     assert killed.status == "timeout", (killed.status, killed.reason)
     used = float((killed.stdout.split() or [0])[-1])  # the last figure the program printed
     assert used - 0.05 <= killed.cpu_s <= killed.wall_s + 0.1, (used, killed.cpu_s)  # in ticks
