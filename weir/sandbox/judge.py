@@ -7,8 +7,9 @@ each test snippet (``assert f(2) == 4``, HumanEval's ``check(candidate)``) in it
 where the program's functions are proxies that send their arguments over the request pipe and
 build the reply with `weir.sandbox.wire` (plain builtin values only): comparisons, ``assert`` and
 every builtin a test uses are the judge's own. The tests are never in the program's file system
-or memory: the judge reads them from its stdin, a pipe only weir holds, and writes its verdicts to
-its stdout, another pipe the program cannot reach.
+or memory: the judge reads them from a config pipe only weir holds, and writes its verdicts to a
+report pipe the program cannot reach. Judges are forked by a judge server (`serve`, weir's end in
+`weir.sandbox.judge_server`), one per execution.
 
 The namespace of the tests starts with the row's ``prefix`` (trusted code from the data set:
 HumanEval's prompt, with its imports and helpers), run in the judge. The ``entry_points`` become
@@ -320,5 +321,6 @@ def server_command(python, sock_fd):
     mode, no ``site``: each judge gets the interpreter's import path in its config)."""
     from weir.sandbox.boot import boot_program, source_of
 
-    main = ("<weir-judge>", source_of("judge") + f"\nserve({int(sock_fd)})\n")
-    return [python, "-I", "-S", "-B", "-c", boot_program(python, main, "__weir_judge__")]
+    main = ("<weir-judge>", source_of("judge") + "\nserve(int(sys.argv[1]))\n")
+    program = boot_program(python, main, "__weir_judge__")
+    return [python, "-I", "-S", "-B", "-c", program, str(sock_fd)]
