@@ -157,7 +157,7 @@ class SandboxConfig(Section):
     max_parallel: int = Field(4, ge=1)
     """Executions at once; more wait for a slot (`reward/exec_queue_seconds`)."""
     wall_s: float = Field(10.0, gt=0)
-    """Wall-clock limit of one execution (its harness and all its tests)."""
+    """Wall-clock limit of one execution (the program and the judge running all its tests)."""
     cpu_s: float = Field(5.0, gt=0)
     """CPU-time limit per process (RLIMIT_CPU)."""
     memory_mb: int = Field(512, ge=16)
@@ -168,7 +168,8 @@ class SandboxConfig(Section):
     open_files: int = Field(64, ge=8)
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     output_bytes: int = Field(1 << 20, ge=1024)
-    """stdout and stderr are each cut here and the program killed."""
+    """stdout and stderr are each cut here and the program killed; also the largest value a
+    function of the program may return to the judge."""
     file_bytes: int = Field(8 << 20, ge=0)
     """Largest file a program may write (RLIMIT_FSIZE)."""
     disk_mb: int = Field(64, ge=1)
