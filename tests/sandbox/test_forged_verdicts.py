@@ -94,9 +94,12 @@ def test_an_object_whose_comparisons_always_succeed_cannot_pass(level, sandboxes
 
 
 PATCHED = """
-import builtins, sys, math
+import builtins, json, sys, math
 class Swallowed(Exception):
     pass
+builtins.exec = lambda *a, **k: None  # a harness that execs the tests runs nothing
+builtins.compile = lambda *a, **k: None
+json.dumps = lambda d, **k: '{"test": %d, "ok": true}' % d.get("test", 0)  # nor writes verdicts
 builtins.AssertionError = Swallowed
 builtins.abs = lambda x: 0
 builtins.isinstance = lambda *a: True
@@ -162,8 +165,9 @@ def test_a_results_file_link_is_never_followed(level, host_dir):
     os.chmod(target, 0o644)
     before = _state(target)
     links = (
-        "import os\n"
-        "for name in ('.weir-results-0.jsonl', '.weir_started', 'results.jsonl', 'solution.py'):\n"
+        "import glob, os\n"
+        "names = glob.glob('.weir*') + ['.weir-results-0.jsonl', 'results.jsonl', 'solution.py']\n"
+        "for name in names:\n"
         "    try:\n        os.remove(name)\n    except OSError:\n        pass\n"
         f"    os.symlink({target!r}, name)\n"
         "os.symlink('/', 'root')\nos.mkdir('locked')\n"
@@ -233,11 +237,14 @@ def look(path, depth=0):
     except Exception:
         pass
 
-for top in [".", "/tmp", "/dev/shm", os.path.expanduser("~"), PLANTED]:
+for top in [PLANTED, ".", "/dev/shm", os.path.expanduser("~")]:
     look(top)
 for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
     for leaf in ("cmdline", "environ", "fd"):
+        budget[0] = 3000
         look(f"/proc/{pid}/{leaf}")
+budget[0] = 3000
+look("/tmp")  # a shared /tmp can be large: the first 3000 entries
 
 def f(x):
     return found[0] if found else None
