@@ -176,8 +176,8 @@ class SandboxConfig(Section):
     """What each writable place holds, MiB: at `bwrap` the work directory, /tmp and /dev/shm are
     tmpfs mounts of this size (host memory); other levels bound files only one by one."""
     python: str | None = None
-    """Interpreter for Python programs; default: weir's own, or the system's where the sandbox uids
-    cannot reach weir's."""
+    """Interpreter for Python programs and their judges (3.9 or later); default: weir's own, or the
+    system's where the sandbox uids cannot reach weir's."""
     python_guard: bool = True
     """Install the in-process audit hook that denies files outside the work directory, sockets,
     processes, signals and ctypes (defence in depth; the only guard at level `rlimit`)."""
