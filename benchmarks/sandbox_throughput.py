@@ -83,9 +83,13 @@ def main() -> None:
         for parallel in args.parallel:
             row: dict = {"level": level, "parallel": parallel}
             if args.baseline is None:
-                row["per_s"] = [measure(level, parallel, args.executions) for _ in range(args.repeats)]
+                row["per_s"] = [
+                    measure(level, parallel, args.executions) for _ in range(args.repeats)
+                ]
                 rates = row["per_s"]
-                print(f"{level:10} parallel={parallel}: {min(rates):.1f}-{max(rates):.1f} executions/s")
+                print(
+                    f"{level:10} parallel={parallel}: {min(rates):.1f}-{max(rates):.1f} executions/s"
+                )
             else:
                 new, old = [], []
                 for i in range(args.repeats):
