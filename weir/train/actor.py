@@ -21,11 +21,12 @@ from weir import algo
 from weir.telemetry.timeline import span
 from weir.train.actor_settings import ActorSettings, check_algo_options
 from weir.train.batch import TrainBatch
+from weir.train.layout_cost import CostModel, LayoutChoice
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import (
     Layout,
-    choose_layout,
+    exact_layouts,
     micro_batches,
     prefix_refusal,
     prefix_refused_unprobed,
@@ -72,9 +73,9 @@ class Actor:
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
-        self._layout: Layout | None = None
+        self._layouts: LayoutChoice | None = None
         if not self.defers_layout:
-            self._layout = self._choose_layout()
+            self._layouts = self._choose_layouts()
         elif self.tcfg.packing == "prefix":  # asked for: what can be refused without a probe is
             refused = prefix_refused_unprobed(self.model)
             if refused is not None:
@@ -127,20 +128,36 @@ class Actor:
         return Precision(p.device, p.dtype, compute)
 
     @property
-    def layout(self) -> Layout:
-        """The micro-batch layout `train.packing` resolved to (`weir.train.packing.choose_layout`)."""
-        if self._layout is None:
-            self._layout = self._choose_layout()
-        return self._layout
+    def layouts(self) -> LayoutChoice:
+        """The exact layouts `train.packing` allows (`weir.train.packing.exact_layouts`)."""
+        if self._layouts is None:
+            self._layouts = self._choose_layouts()
+        return self._layouts
 
-    def _choose_layout(self) -> Layout:
+    @property
+    def layout(self) -> Layout:
+        """The micro-batch layout of this step: of `layouts`, the cheapest for its lengths."""
+        return self.layouts.current
+
+    def _choose_layouts(self) -> LayoutChoice:
         with self.precision.autocast():
-            return choose_layout(
+            candidates = exact_layouts(
                 self.model,
                 self.tcfg.packing,
                 shared_prompts=self.shares_prompts,
                 compute_dtype=self.precision.compute_dtype,
+                with_varlen=True,
             )
+        return self._layout_choice(candidates)
+
+    def _layout_choice(self, candidates: list[Layout]) -> LayoutChoice:
+        from weir.train.varlen import flash_runs
+
+        head_dim = getattr(self.model.config, "head_dim", None) or 64
+        flash = flash_runs(self.device, self.precision.compute_dtype, head_dim)
+        prices = CostModel.for_model(self.model, self.device, varlen_flash=flash)
+        one_pass = self.prefix_one_pass or self.device.type != "cpu"
+        return LayoutChoice(candidates, prices, one_pass=one_pass)
 
     def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
         """Response log-probs of one micro-batch in the configured layout and compute dtype."""
@@ -275,6 +292,8 @@ class Actor:
     ) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
+        budget = self.tcfg.micro_batch_tokens
+        self.layouts.pick(batch.sequences, batch.response_lengths, budget)
         stats: dict[str, float] = {}
         if fused:
             old = None
