@@ -246,7 +246,7 @@ class TrainConfig(Section):
     entropy, policy and mismatch metrics then cover the trained rows; a step of such rows only
     runs their forward, so every step has those metrics); `forward` always runs them without
     gradients so those metrics cover every row (docs/trainer-step.md)."""
-    packing: Literal["auto", "packed", "padded", "prefix"] = "auto"
+    packing: Literal["auto", "packed", "padded", "prefix", "varlen"] = "auto"
     """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
     sequence; `prefix`: sequences sharing a prompt (a GRPO group) run it once, their responses on its
     KV cache; `auto`: packed where the attention backend has a variable-length kernel, else prefix
