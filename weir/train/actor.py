@@ -21,6 +21,7 @@ from weir import algo
 from weir.telemetry.timeline import span
 from weir.train.actor_settings import ActorSettings, check_algo_options
 from weir.train.batch import TrainBatch
+from weir.train.fuse import apply_fusion
 from weir.train.layout_cost import CostModel, LayoutChoice
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
@@ -109,6 +110,9 @@ class Actor:
             )
         else:
             self.kl_ctl = algo.FixedKLController(kl.coef)
+        self.fusion = apply_fusion(self.tcfg.fuse, self.model, self.device)
+        if self.ref is not None:  # a deep copy: uncompiled, and unfused if made before
+            apply_fusion(self.tcfg.fuse, self.ref, self.device, quiet=True)
         self.skipped_updates = 0
         self.skipped_steps = 0
         self.updates = 0
