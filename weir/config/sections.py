@@ -253,6 +253,10 @@ class TrainConfig(Section):
     group) run it once, their responses on its KV cache; `auto`: packed with a FlashAttention
     backend, else for RL the cheapest of prefix, varlen and padded for each step's lengths among
     those a start-up probe finds exact (docs/trainer-step.md), else padded."""
+    memory: Literal["fixed", "plan"] = "fixed"
+    """`plan`: on a GPU, choose `gradient_checkpointing` (off where the activations fit) and
+    `micro_batch_tokens` (the largest power of two from 4096 to 65536 that fits) at start-up from a
+    memory model of the activations per token and the free GPU memory; logged. `fixed`: as set."""
     fuse: Literal["auto", "liger", "compile", "off"] = "off"
     """Fused element-wise kernels in the decoder (RMSNorm, RoPE, SiLU x up): `liger` (Liger's Triton
     kernels, CUDA, `weir[liger]`), `compile` (regional torch.compile of each decoder layer; needs a

@@ -23,6 +23,7 @@ from weir.train.actor_settings import ActorSettings, check_algo_options
 from weir.train.batch import TrainBatch
 from weir.train.fuse import apply_fusion
 from weir.train.layout_cost import CostModel, LayoutChoice
+from weir.train.memory_plan import planned_train_config
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import (
@@ -71,9 +72,11 @@ class Actor:
         self.loss_options = dict(self.acfg.loss_options)
         self.max_len = int(self.loss_options.pop("max_len", settings.max_response_tokens))
         self._warned_max_len = False
-        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
+        # train.memory=plan: checkpointing and the micro-batch budget from the memory model
+        self.tcfg = planned_train_config(self.tcfg, model, self.device, self.precision)
+        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self._layouts: LayoutChoice | None = None
         if not self.defers_layout:
             self._layouts = self._choose_layouts()

@@ -124,7 +124,9 @@ def _per_sequence(
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for s, e in zip(bounds, bounds[1:], strict=False):
-        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        # (1, H, L, D): SDPA's fused kernels take 4-D inputs only (3-D falls back to the math
+        # kernel, which keeps every L x L attention matrix for the backward)
+        qs, ks, vs = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))
         n, mask = e - s, None
         if window is not None and window < n:
             i = torch.arange(n, device=q.device)
@@ -132,7 +134,7 @@ def _per_sequence(
         out = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
-        outs.append(out.transpose(0, 1))
+        outs.append(out[0].transpose(0, 1))
     return torch.cat(outs)
 
 
