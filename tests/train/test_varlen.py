@@ -113,11 +113,20 @@ def _arch_batch(vocab: int):
     return seqs, lens
 
 
-@pytest.mark.parametrize("name", ACCEPTED)
-def test_varlen_equals_padded_on_real_architectures(tmp_path, name):
-    from weir.tasks.tiny_archs import build_arch_model
+def _arch(name: str) -> torch.nn.Module:
+    """weir's tiny model of architecture `name` (docs/models.md), built in memory."""
+    from weir.tasks.tiny_archs import arch_config
 
-    model = AutoModelForCausalLM.from_pretrained(build_arch_model(tmp_path / name, name)).eval()
+    torch.manual_seed(0)
+    config = arch_config(name)
+    config._attn_implementation = None  # what from_pretrained picks: sdpa where supported
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_varlen_equals_padded_on_real_architectures(name):
+    model = _arch(name)
+    assert model.config._attn_implementation == "sdpa"
     assert varlen_supported(model)[0]
     assert "varlen" in exact_layouts(model, "auto", shared_prompts=True, with_varlen=True)
     seqs, lens = _arch_batch(model.config.vocab_size)
@@ -131,10 +140,8 @@ def test_varlen_equals_padded_on_real_architectures(tmp_path, name):
     "name, reason",
     [("gemma2", "soft-capping|attention 'eager'"), ("gpt_oss", "attention 'eager'|sinks")],
 )
-def test_varlen_is_refused_where_it_cannot_run_exactly(tmp_path, name, reason):
-    from weir.tasks.tiny_archs import build_arch_model
-
-    model = AutoModelForCausalLM.from_pretrained(build_arch_model(tmp_path / name, name)).eval()
+def test_varlen_is_refused_where_it_cannot_run_exactly(name, reason):
+    model = _arch(name)
     ok, why = varlen_supported(model)
     assert not ok and why.startswith("varlen off: ")
     assert any(r in why for r in reason.split("|")), why
