@@ -44,6 +44,11 @@ SOFTMAX_FACTOR = 4.0
 Bandwidth-bound on a GPU (about 144 bytes per logit unfused, docs/trainer-step.md)."""
 GPU_PASS_TOKENS = 1024
 """One more forward and backward on a GPU, in tokens: its kernel launches (not measured)."""
+SEQUENCE_CALL_TOKENS = 14
+"""varlen's per-sequence SDPA body (a CPU, float32): one sequence's attention call in one layer,
+forward and backward, in tokens. Measured on weir's tiny model on a CPU (benchmarks/layouts.py:
+varlen 1.8 s over padded for 64 sequences x 4 layers at 0.48 ms a token); a larger model's token
+costs more, so this overprices the calls there, which only keeps `auto` off the slow body."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class CostModel:
             attn_pair=2 * heads * head_dim * layers / n_dec,
             masked_attn=2.0 if gpu else 1.5,
             pass_tokens=GPU_PASS_TOKENS if gpu else RESPONSE_PASS_TOKENS,
-            seq_tokens=0.0 if varlen_flash else (64.0 if gpu else 8.0) * layers / 24,
+            seq_tokens=0.0 if varlen_flash else SEQUENCE_CALL_TOKENS * layers,
         )
 
 
