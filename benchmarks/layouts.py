@@ -13,7 +13,11 @@ Each step trains one update (fused old log-probs, dead rows skipped) in every la
 sequence and `prefix` splits responses into passes by length; on CUDA `varlen` is torch's
 FlashAttention-2 and `prefix` runs one pass (the cost model prices each as it runs).
 
-    python benchmarks/layouts.py --reps 5
+    python benchmarks/layouts.py --reps 5                 # a CPU (or --device cuda)
+    python benchmarks/layouts.py --model tiny:small --prompts 32 --budget 32768   # on a GPU
+
+The first step of each layout is a warm-up on a GPU (lazy CUDA modules, allocator growth): give
+--reps 4 or more there and read the median.
 """
 
 from __future__ import annotations
@@ -81,19 +85,23 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model, tempfile.mkdtemp())
     actors = {}
     for layout in LAYOUTS:
-        model, _ = load_model(path)
+        model, _ = load_model(path, device=args.device)
         cfg = build_config(
             {}, [f"train.packing={layout}", f"train.micro_batch_tokens={args.budget}"]
         )
         actors[layout] = Actor(model, ActorSettings.from_config(cfg))
     chooser = actors["varlen"]._layout_choice(LAYOUTS)
     vocab = int(actors["varlen"].model.config.vocab_size)
-    print(f"model {args.model}, {args.prompts} prompts x {args.n}, budget {args.budget}")
+    print(
+        f"model {args.model} on {args.device}, {args.prompts} prompts x {args.n}, "
+        f"budget {args.budget}"
+    )
     for mix in args.mixes.split(","):
         times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
         for rep in range(args.reps):
@@ -102,6 +110,8 @@ def main() -> None:
             for name in order:
                 start = time.perf_counter()
                 actors[name].train(batch)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - start)
         picked, relative = cheapest_layout(
             LAYOUTS,
