@@ -161,7 +161,9 @@ class Actor:
         from weir.train.varlen import flash_runs
 
         head_dim = getattr(self.model.config, "head_dim", None) or 64
-        flash = flash_runs(self.device, self.precision.compute_dtype, head_dim)
+        # the dtype attention computes in: autocast's, or FSDP2's cast of the gathered shards
+        compute = getattr(self, "_compute", None) or self.precision.compute_dtype
+        flash = flash_runs(self.device, compute, head_dim)
         prices = CostModel.for_model(self.model, self.device, varlen_flash=flash)
         one_pass = self.prefix_one_pass or self.device.type != "cpu"
         return LayoutChoice(candidates, prices, one_pass=one_pass)
