@@ -288,3 +288,23 @@ def test_flash_runs_only_where_the_kernel_can():
     cuda = torch.device("cuda", 0)
     assert not varlen.flash_runs(cuda, torch.float32, 64)  # FlashAttention-2 has no fp32
     assert not varlen.flash_runs(cuda, torch.bfloat16, 512)  # nor head dims over 256
+
+
+def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast RoPE leaves q and k in float32 (the residual stream's cos/sin) beside a
+    bf16 v; the varlen attention casts all three as autocast casts SDPA's inputs, so that on CUDA
+    the bf16 FlashAttention kernel runs (not the per-sequence fallback), and the log-probs are
+    padded's within bf16 rounding."""
+    seen = []
+    real = varlen._per_sequence
+    monkeypatch.setattr(
+        varlen,
+        "_per_sequence",
+        lambda q, k, v, *a: seen.append({q.dtype, k.dtype, v.dtype}) or real(q, k, v, *a),
+    )
+    seqs, lens = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]], [3, 2]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = response_logprobs(_MODEL, seqs, lens, layout="varlen").logprobs
+        want = response_logprobs(_MODEL, seqs, lens, layout="padded").logprobs
+    assert seen and all(s == {torch.bfloat16} for s in seen)
+    assert float((got - want).abs().max()) < 2e-2

@@ -162,6 +162,12 @@ def varlen_attention(
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"the varlen layout cannot run attention with {unsupported}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    kind = q.device.type
+    if torch.is_autocast_enabled(kind):
+        # as autocast casts SDPA's inputs: RoPE with the residual stream's float32 cos/sin
+        # leaves q and k in float32 beside a bf16 v, and the kernel is no autocast op
+        dtype = torch.get_autocast_dtype(kind)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else None
     if flash_runs(q.device, q.dtype, q.shape[-1]) and (
