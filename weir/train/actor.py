@@ -22,7 +22,7 @@ from weir.telemetry.timeline import span
 from weir.train.actor_settings import ActorSettings, check_algo_options
 from weir.train.batch import TrainBatch
 from weir.train.fuse import apply_fusion
-from weir.train.layout_cost import CostModel, LayoutChoice
+from weir.train.layout_cost import LayoutChoice, layout_choice
 from weir.train.memory_plan import planned_train_config
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
@@ -158,15 +158,9 @@ class Actor:
         return self._layout_choice(candidates)
 
     def _layout_choice(self, candidates: list[Layout]) -> LayoutChoice:
-        from weir.train.varlen import flash_runs
-
-        head_dim = getattr(self.model.config, "head_dim", None) or 64
         # the dtype attention computes in: autocast's, or FSDP2's cast of the gathered shards
         compute = getattr(self, "_compute", None) or self.precision.compute_dtype
-        flash = flash_runs(self.device, compute, head_dim)
-        prices = CostModel.for_model(self.model, self.device, varlen_flash=flash)
-        one_pass = self.prefix_one_pass or self.device.type != "cpu"
-        return LayoutChoice(candidates, prices, one_pass=one_pass)
+        return layout_choice(self.model, candidates, self.device, compute, self.prefix_one_pass)
 
     def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
         """Response log-probs of one micro-batch in the configured layout and compute dtype."""

@@ -248,3 +248,21 @@ class LayoutChoice:
             )
             self._logged = self.current
         return self.current
+
+
+def layout_choice(
+    model: torch.nn.Module,
+    candidates: list[Layout],
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    one_pass: bool,
+) -> LayoutChoice:
+    """The `LayoutChoice` of a trainer of `model` on `device` computing in `compute_dtype`:
+    priced by whether varlen runs the FlashAttention kernel there, and with `prefix` in one pass
+    where the trainer runs it so (`one_pass`: FSDP ranks) or off a CPU (`weir.train.prefix_pass`)."""
+    from weir.train.varlen import flash_runs
+
+    head_dim = getattr(model.config, "head_dim", None) or 64
+    flash = flash_runs(device, compute_dtype, head_dim)
+    prices = CostModel.for_model(model, device, varlen_flash=flash)
+    return LayoutChoice(candidates, prices, one_pass=one_pass or device.type != "cpu")
