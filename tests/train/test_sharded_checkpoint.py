@@ -85,12 +85,14 @@ def test_meta_start_reads_and_holds_one_shard(ranks, model_dir):
 
 
 @pytest.mark.slow
-def test_auto_takes_the_prefix_layout_on_ranks_deciding_at_the_first_step(ranks):
+def test_auto_finds_the_exact_layouts_on_ranks_deciding_at_the_first_step(ranks):
     """`train.packing=auto` probes the sharded model when it first trains, not while it loads
-    (the probe's forwards gather shards as training does), and every rank takes `prefix`."""
+    (the probe's forwards gather shards as training does): every rank finds `prefix` and `varlen`
+    exact and takes the same one of them for the step."""
     _, reports = ranks
     assert [r["layout_at_start"] for r in reports] == [None] * WORLD
-    assert [r["layout"] for r in reports] == ["prefix"] * WORLD
+    assert [r["candidates"] for r in reports] == [["prefix", "varlen", "padded"]] * WORLD
+    assert len({r["layout"] for r in reports}) == 1
 
 
 @pytest.mark.slow

@@ -246,11 +246,22 @@ class TrainConfig(Section):
     entropy, policy and mismatch metrics then cover the trained rows; a step of such rows only
     runs their forward, so every step has those metrics); `forward` always runs them without
     gradients so those metrics cover every row (docs/trainer-step.md)."""
-    packing: Literal["auto", "packed", "padded", "prefix"] = "auto"
-    """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
-    sequence; `prefix`: sequences sharing a prompt (a GRPO group) run it once, their responses on its
-    KV cache; `auto`: packed where the attention backend has a variable-length kernel, else prefix
-    for RL when a start-up probe finds it exact on the model, else padded."""
+    packing: Literal["auto", "packed", "padded", "prefix", "varlen"] = "auto"
+    """`packed`: concatenate a micro-batch's sequences into one row; `varlen`: the same row through
+    a variable-length attention kernel, no mask (torch's FlashAttention-2 on CUDA, SDPA per sequence
+    elsewhere); `padded`: one padded row per sequence; `prefix`: sequences sharing a prompt (a GRPO
+    group) run it once, their responses on its KV cache; `auto`: packed with a FlashAttention
+    backend, else for RL the cheapest of prefix, varlen and padded for each step's lengths among
+    those a start-up probe finds exact (docs/trainer-step.md), else padded."""
+    memory: Literal["fixed", "plan"] = "fixed"
+    """`plan`: on a GPU, choose `gradient_checkpointing` (off where the activations fit) and
+    `micro_batch_tokens` (the largest power of two from 4096 to 65536 that fits) at start-up from a
+    memory model of the activations per token and the free GPU memory; logged. `fixed`: as set."""
+    fuse: Literal["auto", "liger", "compile", "off"] = "off"
+    """Fused element-wise kernels in the decoder (RMSNorm, RoPE, SiLU x up): `liger` (Liger's Triton
+    kernels, CUDA, `weir[liger]`), `compile` (regional torch.compile of each decoder layer; needs a
+    C compiler), `auto` (liger where it applies, else compile, on CUDA; off on a CPU). A route that
+    cannot run falls back to the next and says so once (docs/trainer-step.md)."""
 
 
 class CriticConfig(Section):

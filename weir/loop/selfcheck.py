@@ -65,7 +65,7 @@ def check_packing(
     """Probe 1 (packed = unpacked) on `model`; returns the mean error, None when
     ``train_cfg.packing`` is "padded" (nothing to probe). Sets it to "padded" on a mismatch under
     "auto"; raises `UnsupportedModel` under "packed"."""
-    if train_cfg.packing in ("padded", "prefix"):  # no packed rows (prefix probes itself)
+    if train_cfg.packing in ("padded", "prefix", "varlen"):  # nothing to probe, or probes itself
         return None
     arch = str(getattr(model.config, "model_type", "?"))
     name = SUPPORTED[arch].name if arch in SUPPORTED else arch

@@ -21,11 +21,14 @@ from weir import algo
 from weir.telemetry.timeline import span
 from weir.train.actor_settings import ActorSettings, check_algo_options
 from weir.train.batch import TrainBatch
+from weir.train.fuse import apply_fusion
+from weir.train.layout_cost import LayoutChoice, layout_choice
+from weir.train.memory_plan import planned_train_config
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import (
     Layout,
-    choose_layout,
+    exact_layouts,
     micro_batches,
     prefix_refusal,
     prefix_refused_unprobed,
@@ -69,12 +72,14 @@ class Actor:
         self.loss_options = dict(self.acfg.loss_options)
         self.max_len = int(self.loss_options.pop("max_len", settings.max_response_tokens))
         self._warned_max_len = False
-        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
-        self._layout: Layout | None = None
+        # train.memory=plan: checkpointing and the micro-batch budget from the memory model
+        self.tcfg = planned_train_config(self.tcfg, model, self.device, self.precision)
+        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
+        self._layouts: LayoutChoice | None = None
         if not self.defers_layout:
-            self._layout = self._choose_layout()
+            self._layouts = self._choose_layouts()
         elif self.tcfg.packing == "prefix":  # asked for: what can be refused without a probe is
             refused = prefix_refused_unprobed(self.model)
             if refused is not None:
@@ -108,6 +113,9 @@ class Actor:
             )
         else:
             self.kl_ctl = algo.FixedKLController(kl.coef)
+        self.fusion = apply_fusion(self.tcfg.fuse, self.model, self.device)
+        if self.ref is not None:  # a deep copy: uncompiled, and unfused if made before
+            apply_fusion(self.tcfg.fuse, self.ref, self.device, quiet=True)
         self.skipped_updates = 0
         self.skipped_steps = 0
         self.updates = 0
@@ -127,20 +135,32 @@ class Actor:
         return Precision(p.device, p.dtype, compute)
 
     @property
-    def layout(self) -> Layout:
-        """The micro-batch layout `train.packing` resolved to (`weir.train.packing.choose_layout`)."""
-        if self._layout is None:
-            self._layout = self._choose_layout()
-        return self._layout
+    def layouts(self) -> LayoutChoice:
+        """The exact layouts `train.packing` allows (`weir.train.packing.exact_layouts`)."""
+        if self._layouts is None:
+            self._layouts = self._choose_layouts()
+        return self._layouts
 
-    def _choose_layout(self) -> Layout:
+    @property
+    def layout(self) -> Layout:
+        """The micro-batch layout of this step: of `layouts`, the cheapest for its lengths."""
+        return self.layouts.current
+
+    def _choose_layouts(self) -> LayoutChoice:
         with self.precision.autocast():
-            return choose_layout(
+            candidates = exact_layouts(
                 self.model,
                 self.tcfg.packing,
                 shared_prompts=self.shares_prompts,
                 compute_dtype=self.precision.compute_dtype,
+                with_varlen=True,
             )
+        return self._layout_choice(candidates)
+
+    def _layout_choice(self, candidates: list[Layout]) -> LayoutChoice:
+        # the dtype attention computes in: autocast's, or FSDP2's cast of the gathered shards
+        compute = getattr(self, "_compute", None) or self.precision.compute_dtype
+        return layout_choice(self.model, candidates, self.device, compute, self.prefix_one_pass)
 
     def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
         """Response log-probs of one micro-batch in the configured layout and compute dtype."""
@@ -275,6 +295,8 @@ class Actor:
     ) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
+        budget = self.tcfg.micro_batch_tokens
+        self.layouts.pick(batch.sequences, batch.response_lengths, budget)
         stats: dict[str, float] = {}
         if fused:
             old = None

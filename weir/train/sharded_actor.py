@@ -32,9 +32,10 @@ from torch.distributed.fsdp import (
 
 from weir.train.actor import Actor, ActorSettings
 from weir.train.deal import balance, deal_groups
+from weir.train.layout_cost import LayoutChoice
 from weir.train.packing import (
     Layout,
-    choose_layout,
+    exact_layouts,
     micro_batches,
     prefix_refusal,
 )
@@ -150,32 +151,42 @@ class ShardedActor(Actor):
         device = self._comm if self._comm is not None else p.device
         return Precision(device, p.dtype, p.dtype)
 
-    def _choose_layout(self) -> Layout:
-        """`train.packing` resolved on every rank at once: `prefix` only where every rank's probe
-        found it exact; a refusal of an asked-for `prefix` is raised on every rank, after the
-        ranks agreed, so that none is left waiting in a collective."""
+    def _choose_layouts(self) -> LayoutChoice:
+        """`train.packing` resolved on every rank at once: a layout is a candidate only where
+        every rank's probe found it exact; a refusal of an asked-for layout is raised on every
+        rank, after the ranks agreed, so that none is left waiting in a collective."""
         refusal: ValueError | None = None
         try:
-            mine = choose_layout(
+            mine = exact_layouts(
                 self.model,
                 self.tcfg.packing,
                 shared_prompts=self.shares_prompts,
                 compute_dtype=self._compute,  # FSDP2's MixedPrecisionPolicy casts the shards
+                with_varlen=True,
             )
-        except ValueError as err:  # train.packing=prefix, and this rank's probe refused it
-            mine, refusal = "padded", err
+        except ValueError as err:  # a layout asked for, and this rank's probe refused it
+            mine, refusal = ["padded"], err
         self._settle()
-        agreed = torch.tensor([0.0 if refusal else 1.0 if mine == "prefix" else 0.5])
+        names: list[Layout] = ["packed", "prefix", "varlen", "padded"]
+        flags = [0.0 if refusal else 1.0] + [1.0 if n in mine else 0.0 for n in names]
+        agreed = torch.tensor(flags)
         agreed = agreed.to(self._comm) if self._comm is not None else agreed
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if self.tcfg.packing == "prefix" and agreed.item() < 1.0:
-            raise refusal or prefix_refusal("another trainer rank's probe found it inexact")
-        if mine == "prefix" and agreed.item() < 1.0:
-            log.info(
-                "train.packing=auto: padded micro-batches (another rank's probe refused prefix)"
+        ok = agreed.tolist()
+        if ok[0] < 1.0:
+            packing = self.tcfg.packing
+            raise refusal or (
+                prefix_refusal("another trainer rank's probe found it inexact")
+                if packing == "prefix"
+                else ValueError(
+                    f"train.packing={packing}: another trainer rank's probe found it inexact; "
+                    "set train.packing=auto or padded"
+                )
             )
-            return "padded"
-        return mine
+        layouts = [n for n in mine if ok[1 + names.index(n)] >= 1.0]
+        if layouts != mine:
+            log.info("train.packing=auto: %s (another rank's probe refused the rest)", layouts)
+        return self._layout_choice(layouts)
 
     def _micro_batches(
         self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
