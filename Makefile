@@ -15,6 +15,7 @@ setup-vllm:
 demo: setup
 	$(VENV)/bin/weir demo
 
+# The test suite, with the docs site's strict build and the docs' tutorials (tests/docs).
 # Two workers, one per core (every test uses one torch thread); whole files stay on one worker, so
 # module-scoped servers and Ray start once per file. The two environments are built side by side
 # (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
@@ -33,8 +34,10 @@ format:
 	$(VENV)/bin/ruff check --fix weir tests benchmarks
 	$(VENV)/bin/ruff format weir tests benchmarks
 
+# The documentation site into site/, offline; --strict fails on a broken link, anchor or page.
 docs: setup
 	$(VENV)/bin/weir config-docs --out docs/configuration.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py

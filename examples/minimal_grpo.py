@@ -109,7 +109,9 @@ def main() -> None:
         out = Path(tempfile.mkdtemp(prefix="minimal_grpo_"))
         model = str(weir.sft(WARM_START, [f"run.dir={out}", f"run.seed={args.seed}"]))
     result = grpo(model, steps=args.steps, seed=args.seed)
-    print(f"held-out greedy accuracy: {result['accuracy_before']:.0%} -> {result['accuracy_after']:.0%}")
+    print(
+        f"held-out greedy accuracy: {result['accuracy_before']:.0%} -> {result['accuracy_after']:.0%}"
+    )
 
 
 if __name__ == "__main__":

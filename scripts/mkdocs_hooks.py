@@ -12,7 +12,5 @@ from mkdocs.structure.files import File
 def on_files(files, config):
     from weir.cli.reference import cli_reference
 
-    files.append(
-        File.generated(config, "reference/cli.md", content=cli_reference())
-    )
+    files.append(File.generated(config, "reference/cli.md", content=cli_reference()))
     return files

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install weir with its dev extras, never pulling a CUDA build of torch onto a
+# Create .venv and install weir with its dev and docs extras, never pulling a CUDA build of torch onto a
 # machine without an NVIDIA GPU. Idempotent: a second run only re-installs weir itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     }
   fi
 fi
-"${PIP[@]}" install -e ".[dev${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+"${PIP[@]}" install -e ".[dev,docs${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
 # `weir report`'s browser test renders the report in headless Chromium; install Debian's package
 # when it is missing and apt is there (as root), and never fail the set-up if that cannot be done.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
