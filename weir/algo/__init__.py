@@ -22,7 +22,7 @@ Typical step::
 from .advantages import ADVANTAGES, AdvantageResult, compute_advantages, masked_whiten
 from .aggregation import AGG_MODES, aggregate_loss
 from .correction import CORRECTION_MODES, CorrectionResult, rollout_correction
-from .entropy import entropy_from_logits, logprobs_from_logits
+from .entropy import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -57,6 +57,7 @@ __all__ = [
     "masked_whiten",
     "resolve",
     "rollout_correction",
+    "token_logprobs_and_entropy",
     "ValueLoss",
     "value_loss",
 ]

@@ -32,6 +32,7 @@ from weir.train.packing import (
     response_logprobs,
 )
 from weir.train.precision import Precision
+from weir.train.response_rows import check_kernel, logprob_kernel
 from weir.train.step_checks import (
     add_loss_metrics,
     drop_nonfinite,
@@ -72,6 +73,7 @@ class Actor:
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
+        check_kernel(self.tcfg.logprob_kernel, self.device)
         self._layout: Layout | None = None
         if not self.defers_layout:
             self._layout = self._choose_layout()
@@ -143,8 +145,9 @@ class Actor:
             )
 
     def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
-        """Response log-probs of one micro-batch in the configured layout and compute dtype."""
-        with self.precision.autocast():
+        """Response log-probs of one micro-batch in the configured layout, compute dtype and
+        log-prob kernel."""
+        with self.precision.autocast(), logprob_kernel(self.tcfg.logprob_kernel):
             return response_logprobs(
                 model,
                 seqs,
