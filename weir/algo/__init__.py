@@ -31,7 +31,7 @@ from .kl import (
     kl_token_rewards,
     make_kl_controller,
 )
-from .policy_loss import POLICY_LOSSES, compute_policy_loss
+from .policy_loss import POLICY_LOSSES, compute_policy_loss, policy_loss_terms
 from .registry import Registry, resolve
 from .value_loss import ValueLoss, value_loss
 
@@ -55,6 +55,7 @@ __all__ = [
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_whiten",
+    "policy_loss_terms",
     "resolve",
     "rollout_correction",
     "token_logprobs_and_entropy",

@@ -79,6 +79,18 @@ def token_stats(
     return logp, ent
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t`, built on the host, on `device` without waiting: on CUDA from pinned memory with a
+    non-blocking copy (a copy from pageable memory waits for the work queued before it, which
+    would stall the host once per micro-batch). torch's pinned-memory cache keeps the source
+    until the copy is done."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def left_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequences right-aligned in rows of the longest one's width: (ids, attention mask, position
     ids), on the CPU; padding is id 0, mask 0, position 0."""
