@@ -22,7 +22,7 @@ Typical step::
 from .advantages import ADVANTAGES, AdvantageResult, compute_advantages, masked_whiten
 from .aggregation import AGG_MODES, aggregate_loss
 from .correction import CORRECTION_MODES, CorrectionResult, rollout_correction
-from .entropy import entropy_from_logits, logprobs_from_logits
+from .entropy import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -31,7 +31,7 @@ from .kl import (
     kl_token_rewards,
     make_kl_controller,
 )
-from .policy_loss import POLICY_LOSSES, compute_policy_loss
+from .policy_loss import POLICY_LOSSES, compute_policy_loss, policy_loss_terms
 from .registry import Registry, resolve
 from .value_loss import ValueLoss, value_loss
 
@@ -55,8 +55,10 @@ __all__ = [
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_whiten",
+    "policy_loss_terms",
     "resolve",
     "rollout_correction",
+    "token_logprobs_and_entropy",
     "ValueLoss",
     "value_loss",
 ]

@@ -35,10 +35,11 @@ from weir.train.packing import (
     response_logprobs,
 )
 from weir.train.precision import Precision
+from weir.train.response_rows import check_kernel, logprob_kernel, to_device
 from weir.train.step_checks import (
-    add_loss_metrics,
+    MicroBatchRecords,
     drop_nonfinite,
-    finite_forward,
+    finite_flag,
     mismatch,
     warn_over_max_len,
 )
@@ -77,6 +78,7 @@ class Actor:
         # train.memory=plan: checkpointing and the micro-batch budget from the memory model
         self.tcfg = planned_train_config(self.tcfg, model, self.device, self.precision)
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
+        check_kernel(self.tcfg.logprob_kernel, self.device)
         self._layouts: LayoutChoice | None = None
         if not self.defers_layout:
             self._layouts = self._choose_layouts()
@@ -163,8 +165,9 @@ class Actor:
         return layout_choice(self.model, candidates, self.device, compute, self.prefix_one_pass)
 
     def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
-        """Response log-probs of one micro-batch in the configured layout and compute dtype."""
-        with self.precision.autocast():
+        """Response log-probs of one micro-batch in the configured layout, compute dtype and
+        log-prob kernel."""
+        with self.precision.autocast(), logprob_kernel(self.tcfg.logprob_kernel):
             return response_logprobs(
                 model,
                 seqs,
@@ -211,9 +214,9 @@ class Actor:
     def _settle(self) -> None:
         """Put the parameters back in their resting state after forwards without a backward."""
 
-    def _all_finite(self, finite: bool) -> bool:
-        """Whether every rank's micro-batch was finite (so that all ranks restart a fused step
-        together, or none does)."""
+    def _all_finite(self, finite: torch.Tensor) -> torch.Tensor:
+        """Whether every rank's micro-batches were finite, as a device flag (so that all ranks
+        restart a fused step together, or none does)."""
         return finite
 
     def _reduce_metrics(
@@ -368,9 +371,10 @@ class Actor:
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
             mask = adv.mask  # samples with non-finite rewards are excluded
-        dead = self._dead_rows(mask, adv.advantages)
+        dead_rows = self._dead_rows(mask, adv.advantages)
+        dead = None if dead_rows is None else dead_rows.tolist()  # one read, not one per row
         if dead is not None:
-            stats["train/dead_rows"] = float(dead.float().mean())
+            stats["train/dead_rows"] = sum(dead) / max(len(dead), 1)
         if critic is not None:
             frozen = critic.actor_frozen
             stats.update(critic.train(batch, values["values"], adv.returns, mask))
@@ -431,9 +435,28 @@ class Actor:
     def _update(
         self, batch, mb, mask, old, ref, advantages, weights, *, first: bool, dead
     ) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step. `dead`: the
-        step's rows that cannot move the weights (`_dead_rows`)."""
-        num_tokens = float(mask[mb].sum().item())
+        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step. `dead`: per
+        row of the step, whether it cannot move the weights (`_dead_rows`), or None.
+
+        The device is read twice per update, whatever the number of micro-batches: the
+        mini-batch's counts before it, and the gradient norm with every micro-batch's metrics
+        and finiteness (`weir.train.step_checks.MicroBatchRecords`) after it."""
+        live = [i for i in mb if dead is None or not dead[i]]
+        # the dead rows' forwards come first: a forward without a backward leaves an FSDP2 root
+        # module unsharded, and gradients accumulated before it would miss the sharded parameters
+        # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
+        rest = [i for i in mb if dead is not None and dead[i]]
+        if self.tcfg.dead_rows == "skip" and live:
+            # the loss's normalisers still count their tokens and rows; a step of dead rows only
+            # runs their forward, so that every step has its metrics (mismatch, entropy)
+            rest = []
+        rows = to_device(torch.tensor(mb), mask.device)
+        ran = to_device(torch.tensor(live + rest), mask.device)
+        m = mask.index_select(0, rows)
+        counts = torch.stack(
+            [m.sum().float(), m.any(1).sum().float(), mask.index_select(0, ran).sum().float()]
+        )
+        num_tokens, num_seqs, metric_tokens = counts.tolist()
         sums: dict[str, float] = defaultdict(float)
         peaks: dict[str, float] = {}
         if num_tokens == 0:  # every token of this mini-batch was masked out: no update
@@ -441,18 +464,24 @@ class Actor:
             self.updates += 1
             return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
         self.optimizer.zero_grad(set_to_none=True)
+        step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, num_tokens, num_seqs)
+        step.records = MicroBatchRecords(metric_tokens)
         with grad_mode(self.model, self.tcfg.gradient_checkpointing):
-            self._accumulate(
-                batch, mb, mask, old, ref, advantages, weights, first, sums, peaks, dead
-            )
-        sums, peaks = self._reduce_metrics(sums, peaks)
+            self._accumulate(step, live, rest)
+        finite = self._all_finite(step.records.finite())
         with span("optimizer", cat="train"):
             params = [p for p in self.model.parameters() if p.grad is not None]
             clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
             if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm
                 norm = norm.full_tensor()
-            norm = norm.item()
+            norm, all_finite = step.records.read(norm, finite)  # the one read of the update
+            # a fused step that met a non-finite log-prob restarts (on every rank together: the
+            # flag was reduced over the ranks); nothing was stepped yet
+            if old is None and not all_finite:
+                raise _NonFiniteOld
+            step.records.add_to(sums, peaks, self._mismatch_sums)
+            sums, peaks = self._reduce_metrics(sums, peaks)
             if math.isfinite(norm):
                 self.optimizer.step()
             else:
@@ -462,52 +491,36 @@ class Actor:
         self.updates += 1
         return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 
-    def _accumulate(
-        self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks, dead
-    ) -> None:
-        """Forward and backward over the micro-batches of mini-batch `mb`, adding up metrics."""
-        seqs, lens = batch.sequences, batch.response_lengths
-        step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, sums, peaks)
-        step.num_tokens = float(mask[mb].sum().item())
-        step.num_seqs = float(mask[mb].any(1).sum().item())
-        live = [i for i in mb if dead is None or not dead[i]]
-        # the dead rows' forwards come first: a forward without a backward leaves an FSDP2 root
-        # module unsharded, and gradients accumulated before it would miss the sharded parameters
-        # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
-        rest = [i for i in mb if dead is not None and dead[i]]
-        if self.tcfg.dead_rows == "skip" and live:
-            # the loss's normalisers above still count their tokens and rows; a step of dead rows
-            # only runs their forward, so that every step has its metrics (mismatch, entropy)
-            rest = []
-        step.metric_tokens = float(mask[live + rest].sum().item())
+    def _accumulate(self, step: _MiniBatch, live: list[int], rest: list[int]) -> None:
+        """Forward and backward over the micro-batches of rows `live` (and forwards only over
+        `rest`, the dead rows whose metrics are wanted), recording their metrics."""
+        seqs, lens = step.batch.sequences, step.batch.response_lengths
         runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
         if live:
             runs += [(idx, True) for idx in self._micro_batches(live, seqs, lens)]
         for idx, grad in runs:
-            finite = True
             if idx:
-                finite = self._micro_step(step, idx, grad)
+                self._micro_step(step, idx, grad)
             else:
                 self._idle_pass(self.model, backward=grad)
-            # a fused step that met a non-finite log-prob restarts on every rank together; the
-            # check follows the micro-batch's backward, so every rank's collectives run in the
-            # same order (forward, backward, this all-reduce)
-            if old is None and not self._all_finite(finite):
-                raise _NonFiniteOld
         if not live:  # a zero gradient, on which AdamW still steps (its moments decay)
             self._settle()
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
 
-    def _micro_step(self, step: _MiniBatch, idx: list[int], grad: bool) -> bool:
-        """Forward micro-batch `idx` (and backward, with `grad`), adding up its metrics; False
-        when its log-probs were not finite."""
-        batch, mask, old, ref = step.batch, step.mask, step.old, step.ref
-        advantages, weights, sums, peaks = step.advantages, step.weights, step.sums, step.peaks
-        num_tokens, num_seqs = step.num_tokens, step.num_seqs
+    def _micro_step(self, step: _MiniBatch, idx: list[int], grad: bool) -> None:
+        """Forward micro-batch `idx` (and backward, with `grad`), recording its metrics and
+        whether its log-probs were finite, without reading the device.
+
+        A non-finite log-prob on a trained token poisons the backward (a NaN times the
+        log-probs' sum joins the loss), so that the gradient norm is NaN on every rank
+        (collectives stay in step) and `_update` skips the update and counts it in
+        train/skipped_updates, instead of a check stopping the run; its metrics are left out."""
+        batch, old, ref = step.batch, step.old, step.ref
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        width = mask.shape[1]
+        rows = to_device(torch.tensor(idx), step.mask.device)
+        pick = lambda x: x.index_select(0, rows)  # noqa: E731
         with span("forward", cat="train", sequences=len(idx)), torch.set_grad_enabled(grad):
             out = self._forward(
                 self.model,
@@ -515,37 +528,28 @@ class Actor:
                 [lens[i] for i in idx],
                 with_entropy=True,
                 entropy_grad=self.acfg.entropy_coef != 0,
-                pad_to=width,
+                pad_to=step.mask.shape[1],
                 visions=[vis[i] for i in idx],
             )
-        m = mask[idx]
-        finite = finite_forward(out, m)
-        if not grad and not finite:
-            return False  # no gradient from these rows: an overflow in them cannot reach it
-        if not finite:
-            # an overflow in this forward: backward a NaN loss, so that the gradient norm is
-            # NaN on every rank (collectives stay in step) and `_update` skips this update
-            # and counts it in train/skipped_updates, instead of a check stopping the run
-            with span("backward", cat="train"):
-                (out.logprobs.nan_to_num().sum() * float("nan")).backward()
-            return False
-        old_mb = out.logprobs.detach() if old is None else old[idx]
+        m = pick(step.mask)
+        finite = finite_flag(out, m)
+        old_mb = out.logprobs.detach() if old is None else pick(old)
         kl_in_loss = ref is not None and not self.acfg.kl.as_reward
-        loss, pg = algo.compute_policy_loss(
+        loss, pg = algo.policy_loss_terms(
             self.loss_fn,
             out.logprobs,
             old_mb,
-            advantages[idx],
-            m,
+            pick(step.advantages),
+            m > 0,
             agg=self.acfg.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
+            num_tokens=step.num_tokens,
+            num_seqs=step.num_seqs,
             max_len=self.max_len,
-            behavior_logp=self._behavior(batch)[idx]
+            behavior_logp=pick(self._behavior(batch))
             if self.acfg.policy_loss == "decoupled_ppo"
             else None,
-            weights=None if weights is None else weights[idx],
-            ref_logp=ref[idx] if kl_in_loss else None,
+            weights=None if step.weights is None else pick(step.weights),
+            ref_logp=pick(ref) if kl_in_loss else None,
             kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
             kl_kind=self.acfg.kl.estimator,
             entropy=out.entropy,
@@ -553,21 +557,19 @@ class Actor:
             **self.loss_options,
         )
         if grad:
+            poison = torch.where(finite, 0.0, float("nan"))
             with span("backward", cat="train"):
-                loss.backward()
-        share = float(m.sum().item()) / max(step.metric_tokens, 1.0)
-        add_loss_metrics(sums, peaks, loss.item(), pg, share)
+                (loss + poison * out.logprobs.nan_to_num().sum()).backward()
+        mismatch = None
         if step.first and (old is None or not self.needs_recompute):
-            trained = batch.response_mask[idx] if old is None else m
-            policy = trained * (batch.versions[idx] >= 0)
-            behaviour = batch.rollout_logprobs[idx]
-            diff = (out.logprobs.detach() - behaviour) * policy
-            self._mismatch_sums[0] += diff.abs().sum().item()
-            self._mismatch_sums[1] += policy.sum().item()
-            if old is None:  # the k3 KL that `_mismatch` reports for a separate pass
-                k3 = algo.kl_penalty(behaviour, out.logprobs.detach(), "k3") * policy
-                self._mismatch_sums[2] += k3.sum().item()
-        return True
+            trained = pick(batch.response_mask) if old is None else m
+            policy = trained * (pick(batch.versions) >= 0)
+            behaviour = pick(batch.rollout_logprobs)
+            logp = out.logprobs.detach()
+            mismatch = [((logp - behaviour) * policy).abs().sum(), policy.sum()]
+            if old is None:  # the k3 KL that `mismatch` reports for a separate pass
+                mismatch.append((algo.kl_penalty(behaviour, logp, "k3") * policy).sum())
+        step.records.add(finite, loss, pg, mismatch)
 
     def _dead_rows(self, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
         """(B,) True for rows whose gradient is exactly zero, or None when that cannot be known.
@@ -621,7 +623,7 @@ class Actor:
 
 @dataclass
 class _MiniBatch:
-    """What every micro-batch of one mini-batch's update reads, and the metric sums it adds to."""
+    """What every micro-batch of one mini-batch's update reads, and where it records metrics."""
 
     batch: TrainBatch
     mask: torch.Tensor
@@ -630,12 +632,9 @@ class _MiniBatch:
     advantages: torch.Tensor
     weights: torch.Tensor | None
     first: bool
-    sums: dict[str, float]
-    peaks: dict[str, float]
-    num_tokens: float = 0.0
-    num_seqs: float = 0.0
-    metric_tokens: float = 0.0
-    """Trained tokens of the rows whose forward runs: the weights of per-token metric means."""
+    num_tokens: float
+    num_seqs: float
+    records: MicroBatchRecords | None = None
 
 
 class _NonFiniteOld(Exception):

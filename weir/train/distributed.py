@@ -126,6 +126,8 @@ class TrainerRank:
             rank=self.rank,
             world_size=self.world,
         )
+        # NCCL builds its communicator at the first collective: here, not in the first step
+        dist.barrier()
         torch.manual_seed(self.settings.seed)
         self.actor = self._build(precision.param_dtype)
         return self.rank

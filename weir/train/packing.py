@@ -48,7 +48,13 @@ from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.train.precision import compute_device
 from weir.train.prefix_pass import prefix_response_logprobs
-from weir.train.response_rows import PackedOutput, left_pad, response_rows, token_stats
+from weir.train.response_rows import (
+    PackedOutput,
+    left_pad,
+    response_rows,
+    to_device,
+    token_stats,
+)
 from weir.train.varlen import install as install_varlen
 from weir.train.varlen import varlen_inputs, varlen_refusal
 
@@ -316,15 +322,15 @@ def packed_response_logprobs(
     attention of `weir.train.varlen` (no mask)."""
     device = compute_device(model)
     flat, positions, keep = pack(sequences, response_lengths)
-    input_ids = torch.tensor([flat], device=device)
-    extra: dict = {"position_ids": torch.tensor([positions], device=device)}
+    input_ids = to_device(torch.tensor([flat]), device)
+    extra: dict = {"position_ids": to_device(torch.tensor([positions]), device)}
     vm = vision_model(model)
     if vm is not None:  # even without images: the 1-D text positions keep the sequences apart
         extra = vm.packed_inputs(sequences, visions or [None] * len(sequences))
     elif varlen:
         install_varlen()
         extra.update(varlen_inputs([len(s) for s in sequences], device))
-    keep_idx = torch.tensor(keep, device=device)
+    keep_idx = to_device(torch.tensor(keep), device)
     out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
     logp, ent = token_stats(
         out.logits[0],
@@ -363,8 +369,8 @@ def padded_response_logprobs(
     b, width = len(sequences), max(len(s) for s in sequences)
     r = max(response_lengths)
     ids, attn, positions = left_pad(sequences)
-    ids, attn = ids.to(device), attn.to(device)
-    extra = {"position_ids": positions.to(device)}
+    ids, attn = to_device(ids, device), to_device(attn, device)
+    extra = {"position_ids": to_device(positions, device)}
     if visions is not None and any(v is not None for v in visions):
         vm = vision_model(model)
         if vm is None:
@@ -387,7 +393,7 @@ def padded_response_logprobs(
         entropy_grad=entropy_grad,
         chunk_size=chunk_size,
     )
-    lengths = torch.tensor(response_lengths, device=device)
+    lengths = to_device(torch.tensor(response_lengths), device)
     col = torch.arange(r, device=device)
     # row i's response is predicted by columns r - n_i ... r - 1; move it to columns 0 ... n_i - 1
     src = (r - lengths[:, None] + col[None]).clamp(max=r - 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from weir.train.precision import compute_device
-from weir.train.response_rows import PackedOutput, left_pad, token_stats
+from weir.train.response_rows import PackedOutput, left_pad, to_device, token_stats
 
 RESPONSE_PASS_TOKENS = 256
 """What one more response pass costs beyond its tokens (its Python and the per-op work of its
@@ -86,24 +86,24 @@ def prefix_response_logprobs(
         rows_prompt.append(prompt_of.setdefault(tuple(seq[: len(seq) - n]), len(prompt_of)))
     prompts = list(prompt_of)
     p_ids, p_mask, p_pos = left_pad([list(q) for q in prompts])
-    p_mask = p_mask.to(device)
+    p_mask = to_device(p_mask, device)
     cache = DynamicCache(config=model.config)
     first = model(
-        input_ids=p_ids.to(device),
+        input_ids=to_device(p_ids, device),
         attention_mask=p_mask,
-        position_ids=p_pos.to(device),
+        position_ids=to_device(p_pos, device),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]  # (g, V): predicts every response's first token
-    row_prompt = torch.tensor(rows_prompt, device=device)
-    lengths = torch.tensor(response_lengths, device=device)
+    row_prompt = to_device(torch.tensor(rows_prompt), device)
+    lengths = to_device(torch.tensor(response_lengths), device)
     first_targets = torch.tensor(
         [seq[len(seq) - n] for seq, n in zip(sequences, response_lengths, strict=True)]
     )
     logp0, ent0 = token_stats(
         first.index_select(0, row_prompt),
-        first_targets.to(device),
+        to_device(first_targets, device),
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
@@ -116,7 +116,7 @@ def prefix_response_logprobs(
         ids = torch.zeros(b, run_width + 1, dtype=torch.long)
         for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
             ids[i, :n] = torch.tensor(seq[len(seq) - n :], dtype=torch.long)
-        ids = ids.to(device)
+        ids = to_device(ids, device)
         prompt_len = p_mask.sum(1)
         # Rows longest first, in buckets of similar length: each bucket's pass is padded to its own
         # longest response, not the micro-batch's.
@@ -137,7 +137,7 @@ def prefix_response_logprobs(
                 if ent is not None:
                     pieces_ent.append(logp0.new_zeros(len(rows), r))
                 continue
-            sel = torch.tensor(rows, device=device)
+            sel = to_device(torch.tensor(rows), device)
             their_prompt = row_prompt.index_select(0, sel)
             sub = DynamicCache(config=model.config)
             # each row's prompt KV (a differentiable gather)
@@ -172,7 +172,7 @@ def prefix_response_logprobs(
                 pieces_ent.append(torch.nn.functional.pad(rest_ent.view(len(rows), width), pad))
         back = torch.empty(b, dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(b)  # bucket order -> the caller's row order
-        back = back.to(device)
+        back = to_device(back, device)
         logp = torch.cat([logp, torch.cat(pieces_logp).index_select(0, back)], dim=1)
         if ent is not None:
             ent = torch.cat([ent, torch.cat(pieces_ent).index_select(0, back)], dim=1)

@@ -207,6 +207,8 @@ class ShardedActor(Actor):
                 response_lengths=[lens[i] for i in mine] if prefix else None,
             )
         ]
+        if self.world == 1:
+            return local
         count = torch.tensor([len(local)], device=self._comm)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return local + [[]] * (int(count.item()) - len(local))
@@ -227,13 +229,21 @@ class ShardedActor(Actor):
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 
-    def _all_finite(self, finite: bool) -> bool:
-        flag = torch.tensor([1.0 if finite else 0.0], device=self._comm)
+    # one rank (a colocated trainer on one GPU): what the collectives below would agree on is
+    # its own answer, so it takes none of them (each is a host synchronisation)
+
+    def _all_finite(self, finite: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return finite
+        flag = finite.reshape(1).float()
+        flag = flag.to(self._comm) if self._comm is not None else flag
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0)
+        return flag[0] > 0
 
     def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
         # each row was computed on exactly one rank, zeros elsewhere
+        if self.world == 1:
+            return rows
         total = rows.to(self._comm) if self._comm is not None else rows
         dist.all_reduce(total)
         return total.to(rows.device)
@@ -241,6 +251,8 @@ class ShardedActor(Actor):
     def _reduce_metrics(
         self, sums: dict[str, float], peaks: dict[str, float]
     ) -> tuple[dict[str, float], dict[str, float]]:
+        if self.world == 1:
+            return sums, peaks
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, (dict(sums), dict(peaks)))
         total: dict[str, float] = {}
