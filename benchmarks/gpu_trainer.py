@@ -21,6 +21,8 @@ would be exceeded; what was measured is still printed and written):
 - fixed: the main config on equal response lengths;
 - head: the main config with the reference log-prob/entropy functions instead of the fused kernel
   (where `train.logprob_kernel` exists);
+- fuse: the main config with each fused route of `train.fuse` (`liger`, `compile`; where this
+  weir has them), each on a fresh model (both patch the model in place);
 - checkpointing: the main config with `train.gradient_checkpointing=true`.
 - once: the LM-head statistics alone on `--head-rows` x V bfloat16 logits (forward + backward), each
   kernel against the reference functions: time, peak memory, largest differences.
@@ -186,6 +188,16 @@ def build_model(shape: str, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def fused_routes(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """The routes of `train.fuse` that would run as themselves here (not as a fallback), on a
+    GPU only (a compile on a CPU costs minutes)."""
+    if device.type != "cuda" or not train_choices("fuse"):
+        return []
+    from weir.train.fuse import choose_fusion
+
+    return [r for r in ("liger", "compile") if choose_fusion(r, model, device).route == r]
+
+
 def overrides(args, shape: str, device: torch.device, batch, **train: Any) -> list[str]:
     cfg = {
         "train.lr": 1e-6,
@@ -214,6 +226,9 @@ def run_config(
     cfg = build_config({}, overrides(args, shape, device, batch, **train))
     actor = Actor(model, ActorSettings.from_config(cfg))
     out: dict[str, Any] = {"layout": actor.layout, "train": train}
+    fusion = getattr(actor, "fusion", None)
+    if fusion is not None:
+        out["fusion"] = f"{fusion.route}: {fusion.reason}"
     try:
         warm_s = [timed(actor, batch, device)[0] for _ in range(warm)]
         if warm_s:
@@ -352,6 +367,22 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
                 model, shape, real, args, device, env, warm=w, steps=n, logprob_kernel="reference"
             ),
         )
+    for route in fused_routes(model, device):
+
+        def fused(route=route):  # a fresh model: both routes patch the model in place for good
+            return run_config(
+                build_model(shape, device),
+                shape,
+                real,
+                args,
+                device,
+                env,
+                warm=w,
+                steps=n,
+                fuse=route,
+            )
+
+        part(f"fuse_{route}", (w + n) * 2 + (8 if route == "compile" else 2), fused)
     part(  # last: HF cannot turn checkpointing off again on this model
         "checkpointing",
         (w + n) * 1.5,
