@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,10 +38,15 @@ from weir.plugins import resolve
 from weir.rollout.env import StepResult, ToolEnv, as_step_result, maybe_await
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
+from weir.rollout.tool_calls import get_tool_format, raw_turn_text
 
 __all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
 
 COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
+ENV_ERRORS = ("env_errors", "env_timeouts", "env_bad_results")
+"""Per-episode counters of environment failures, each of which also fails its sample:
+`env_errors` counts them all, `env_timeouts` a reset or step past ``agent.env_timeout_s``,
+`env_bad_results` a result of the wrong shape (a malformed observation)."""
 _MARK_A, _MARK_T = "\x00weir-assistant\x00", "\x00weir-tool\x00"
 
 
@@ -95,8 +101,12 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
 
         agent = AgentConfig()
     ctx = seeded_by_row(ctx, row)
+    factory = ctx.extras.get("env_factory")  # an adapter's environment (weir.adapters)
     samples = await asyncio.gather(
-        *(run_episode(ctx, row, make_env(agent), agent, index=i) for i in range(ctx.sampling.n))
+        *(
+            run_episode(ctx, row, factory() if factory else make_env(agent), agent, index=i)
+            for i in range(ctx.sampling.n)
+        )
     )
     return Group(samples=list(samples), row=row)
 
@@ -130,10 +140,12 @@ async def run_episode(
     turns: list[dict[str, Any]] = []
     env_rewards: list[float] = []
     counts = dict.fromkeys(COUNTERS, 0)
+    env_errors = dict.fromkeys(ENV_ERRORS, 0)
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
     prompt_ids: list[int] = []
+    timeout = getattr(agent, "env_timeout_s", None)
     try:
-        first = await _env_reset(env, row)
+        first = await _env_reset(env, row, timeout)
         prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
         for turn in range(agent.max_turns):
             budget = agent.max_tokens - len(ids)
@@ -157,7 +169,12 @@ async def run_episode(
                 status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
                 stop = "abort" if c.finish_reason == "abort" else "length"
                 break
-            step = await _env_step(env, final_text)
+            action = (
+                raw_turn_text(ctx.tokenizer, c.token_ids, c.finish_reason)
+                if getattr(env, "raw_action", False)
+                else final_text
+            )
+            step = await _env_step(env, action, timeout)
             env_rewards.append(step.reward)
             for k in COUNTERS:
                 counts[k] += step.info[k]
@@ -180,6 +197,11 @@ async def run_episode(
     except _EnvFailure as e:  # the environment must not end the run; engine errors propagate
         cause = e.__cause__
         status, error, stop = Status.FAILED, f"EnvError: {type(cause).__name__}: {cause}", "error"
+        env_errors["env_errors"] = 1
+        if isinstance(cause, TimeoutError):
+            env_errors["env_timeouts"] = 1
+        elif isinstance(cause, (TypeError, ValueError)) and e.bad_result:
+            env_errors["env_bad_results"] = 1
     finally:
         close = getattr(env, "close", None)
         if callable(close):
@@ -204,6 +226,7 @@ async def run_episode(
     sample.metadata["metrics"] = {
         "agent/turns": float(model_turns),
         **{f"agent/{k}": float(v) for k, v in counts.items()},
+        **{f"agent/{k}": float(v) for k, v in env_errors.items()},
     }
     if status != Status.FAILED:
         await _score(ctx, sample, row, agent, env_rewards)
@@ -214,40 +237,65 @@ async def run_episode(
 
 
 class _EnvFailure(Exception):
-    """An exception raised by the environment's reset or step (its __cause__)."""
+    """An exception raised by the environment's reset or step (its __cause__); `bad_result` when
+    the call returned but its result had the wrong shape."""
+
+    def __init__(self, message: str, bad_result: bool = False) -> None:
+        super().__init__(message)
+        self.bad_result = bad_result
 
 
-async def _env_reset(env: Any, row: dict) -> Any:
+async def _call_env(fn: Any, arg: Any, timeout: float | None) -> Any:
+    """``fn(arg)`` under `timeout`: a sync method runs in a worker thread (so an environment that
+    blocks cannot stall the other episodes; a hung thread cannot be killed and is left behind),
+    an async one is awaited."""
+    call = fn(arg) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, arg)
+    try:
+        result = await asyncio.wait_for(call, timeout)
+        if inspect.isawaitable(result):
+            result = await asyncio.wait_for(result, timeout)
+    except asyncio.TimeoutError:
+        name = getattr(fn, "__qualname__", "env call")
+        raise TimeoutError(f"{name} took longer than agent.env_timeout_s={timeout} s") from None
+    return result
+
+
+async def _env_reset(env: Any, row: dict, timeout: float | None = None) -> Any:
     """``env.reset(row)`` (sync or async), checked; failures become `_EnvFailure`."""
     try:
-        first = await maybe_await(env.reset(row))
-        if first is not None and not isinstance(first, (str, list)):
-            raise TypeError(
-                f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
-            )
-        return first
+        first = await _call_env(env.reset, row, timeout)
     except asyncio.CancelledError:
         raise
     except Exception as e:
         raise _EnvFailure(str(e)) from e
+    if first is not None and not isinstance(first, (str, list)):
+        err = TypeError(
+            f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
+        )
+        raise _EnvFailure(str(err), bad_result=True) from err
+    return first
 
 
-async def _env_step(env: Any, action: str) -> StepResult:
+async def _env_step(env: Any, action: str, timeout: float | None = None) -> StepResult:
     """``env.step(action)`` (sync or async), checked, with its counters read as ints. Any
-    exception or a wrong result becomes `_EnvFailure`, which fails the sample (engine errors, in
-    contrast, propagate to the collector as rollout errors)."""
+    exception, a timeout or a wrong result becomes `_EnvFailure`, which fails the sample (engine
+    errors, in contrast, propagate to the collector as rollout errors)."""
     try:
-        step = as_step_result(await maybe_await(env.step(action)))
+        value = await _call_env(env.step, action, timeout)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _EnvFailure(str(e)) from e
+    try:
+        step = as_step_result(value)
         for k in COUNTERS:
             v = step.info.get(k) or 0
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"env.step info[{k!r}] must be a number, got {v!r}")
             step.info[k] = int(v)
         return step
-    except asyncio.CancelledError:
-        raise
     except Exception as e:
-        raise _EnvFailure(str(e)) from e
+        raise _EnvFailure(str(e), bad_result=True) from e
 
 
 async def _score(
@@ -313,7 +361,12 @@ def _encode_prompt(
 
 
 def agent_extras(cfg: Any) -> dict[str, Any]:
-    """What `rollout` reads from ``ctx.extras``: the agent section and the prompt settings."""
+    """What `rollout` reads from ``ctx.extras``: the agent section and the prompt settings. An
+    unknown `agent.tool_format` is refused here, when the run starts."""
+    try:
+        get_tool_format(cfg.agent.tool_format)
+    except ValueError as e:
+        raise ValueError(f"agent.tool_format: {e}") from None
     d = cfg.data
     return {
         "agent": cfg.agent,
