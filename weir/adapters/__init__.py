@@ -38,7 +38,7 @@ def adapter_rows(cfg: Any, split: str) -> list[dict[str, Any]] | None:
     if cfg.reasoning_gym.dataset is not None:
         from weir.adapters import reasoning_gym
 
-        return reasoning_gym.rows(cfg.reasoning_gym, split, n, cfg.run.seed)
+        return reasoning_gym.rows(cfg.reasoning_gym, split, n, cfg.run.seed, cfg.data.eval_size)
     if cfg.verifiers.env is not None:
         from weir.adapters import verifiers
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from weir.data.sample import Sample
 
-__all__ = ["rows", "sft_rows", "score", "REWARD", "EVAL_SEED_OFFSET"]
+__all__ = ["rows", "sft_rows", "near_miss", "score", "REWARD", "EVAL_SEED_OFFSET"]
 
 REWARD = "weir.adapters.reasoning_gym:score"
 EVAL_SEED_OFFSET = 10_000
@@ -61,13 +61,16 @@ def _entry_row(entry: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": entry["question"], "answer": str(entry["answer"]), "rg_entry": entry}
 
 
-def rows(section: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    """`n` rows of `split` ("train" or "test"): prompt, answer and the task's entry."""
+def rows(
+    section: Any, split: str, n: int, seed: int, eval_size: int | None = None
+) -> list[dict[str, Any]]:
+    """`n` rows of `split` ("train" or "test"): prompt, answer and the task's entry. Training rows
+    whose question is among the `eval_size` held-out rows are dropped (``disjoint_eval``)."""
     if split == "test":
         return [_entry_row(e) for e in _dataset(section, seed + EVAL_SEED_OFFSET, n)]
     out = [_entry_row(e) for e in _dataset(section, seed, n)]
-    if section.disjoint_eval:
-        held_out = {r["prompt"] for r in rows(section, "test", n, seed)}
+    if section.disjoint_eval and eval_size:
+        held_out = {r["prompt"] for r in rows(section, "test", eval_size, seed)}
         kept = [r for r in out if r["prompt"] not in held_out]
         if not kept:
             raise ValueError(
@@ -78,28 +81,37 @@ def rows(section: Any, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def near_miss(answer: str, others: list[str], rng: random.Random) -> str:
+    """A wrong answer for a corrupted SFT target: for a number, its last digit plus one (mod 10),
+    one systematic error the model learns beside the right answer (as `weir.tasks.arithmetic`
+    does); for any other answer, another question's answer."""
+    if answer and answer[-1].isdigit():
+        return answer[:-1] + str((int(answer[-1]) + 1) % 10)
+    pool = [a for a in rng.sample(others, min(8, len(others))) if a != answer]
+    return pool[0] if pool else answer
+
+
 def sft_rows(
     section: Any, n: int, seed: int, *, corrupt: float = 0.0, eval_size: int = 0
 ) -> list[dict[str, Any]]:
-    """SFT rows (``response`` = the task's answer) from training questions. With `corrupt` > 0
-    that fraction of responses (a seeded choice) is another row's answer instead: a warm start
-    that has learned the answer format but is often wrong, which RL can then improve."""
+    """SFT rows (``response`` = the task's answer) from training questions. With `corrupt` > 0,
+    ``round(corrupt * rows)`` responses (a seeded choice) are a `near_miss` instead: a warm start
+    that writes the answer format and is often wrong, which RL can then improve."""
     if not 0.0 <= corrupt <= 1.0:
         raise ValueError(f"reasoning_gym sft: corrupt must be in [0, 1], got {corrupt}")
-    train = rows(section, "train", n, seed)
-    if eval_size and section.disjoint_eval:
-        held_out = {r["prompt"] for r in rows(section, "test", eval_size, seed)}
-        train = [r for r in train if r["prompt"] not in held_out]
+    train = rows(section, "train", n, seed, eval_size)
     rng = random.Random(f"reasoning-gym-sft:{seed}")
+    bad = set(rng.sample(range(len(train)), round(corrupt * len(train))))
     answers = [r["answer"] for r in train]
-    out = []
-    for r in train:
-        response = r["answer"]
-        if rng.random() < corrupt:
-            others = [a for a in rng.sample(answers, min(8, len(answers))) if a != response]
-            response = others[0] if others else response
-        out.append({"prompt": r["prompt"], "answer": r["answer"], "response": response})
-    return out
+    return [
+        {
+            "prompt": r["prompt"],
+            "answer": r["answer"],
+            "response": near_miss(r["answer"], answers, rng) if i in bad else r["answer"],
+            "corrupted": i in bad,
+        }
+        for i, r in enumerate(train)
+    ]
 
 
 def score(sample: Sample, row: dict, answer_tag: str | None = None) -> dict[str, float]:

@@ -60,6 +60,9 @@ class AgentConfig(Section):
     rollout.max_new_tokens."""
     tool_timeout_s: float | None = Field(10.0, gt=0)
     """A tool call taking longer becomes an error observation."""
+    play_cut_turns: bool = False
+    """A turn cut at rollout.max_new_tokens is still passed to the environment (games and gym
+    environments judge any text) instead of ending the episode as truncated."""
     env_timeout_s: float | None = Field(60.0, gt=0)
     """An environment's reset or step taking longer fails that episode (counted in
     agent/env_timeouts); sync environments run in a worker thread so a hung one stalls nothing."""

@@ -42,7 +42,7 @@ from weir.rollout.tool_calls import get_tool_format, raw_turn_text
 
 __all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
 
-COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
+COUNTERS = ("tool_calls", "tool_errors", "malformed_calls", "invalid_actions")
 ENV_ERRORS = ("env_errors", "env_timeouts", "env_bad_results")
 """Per-episode counters of environment failures, each of which also fails its sample:
 `env_errors` counts them all, `env_timeouts` a reset or step past ``agent.env_timeout_s``,
@@ -165,7 +165,8 @@ async def run_episode(
             truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             turns.append({"role": "assistant", "tokens": len(c.token_ids)})
-            if c.finish_reason != "stop":
+            cut = c.finish_reason != "stop"
+            if c.finish_reason == "abort" or (cut and not agent.play_cut_turns):
                 status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
                 stop = "abort" if c.finish_reason == "abort" else "length"
                 break
