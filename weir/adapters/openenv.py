@@ -29,6 +29,7 @@ environment or the connection fail that episode (``EnvError``, counted), never t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import json
 import os
@@ -65,13 +66,11 @@ def _classes(section: Any) -> tuple[type, type, type]:
     environment's annotations when not given)."""
     env_cls = import_path(section.env, kind="openenv.env")
     hints: dict[str, Any] = {}
-    try:
+    with contextlib.suppress(Exception):
         hints = {
             "step": typing.get_type_hints(env_cls.step),
             "reset": typing.get_type_hints(env_cls.reset),
         }
-    except Exception:
-        pass
     action = (
         import_path(section.action, kind="openenv.action")
         if section.action
@@ -211,15 +210,16 @@ def _start_server(section: Any) -> str:
         "kwargs": section.kwargs,
     }
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    log = tempfile.NamedTemporaryFile(prefix="weir-openenv-", suffix=".log", delete=False)
-    proc = subprocess.Popen(  # its output goes to a file: a full pipe would stall the server
-        [sys.executable, "-m", "weir.adapters.openenv", json.dumps(spec), str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    atexit.register(Path(log.name).unlink, missing_ok=True)
+    fd, log_path = tempfile.mkstemp(prefix="weir-openenv-", suffix=".log")
+    with os.fdopen(fd, "wb") as log:  # output to a file: a full pipe would stall the server
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weir.adapters.openenv", json.dumps(spec), str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    log = Path(log_path)
+    atexit.register(log.unlink, missing_ok=True)
     atexit.register(_stop, proc)  # runs before the log's removal (last registered, first run)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + section.startup_timeout_s
@@ -227,7 +227,7 @@ def _start_server(section: Any) -> str:
 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = Path(log.name).read_text(errors="replace").strip().splitlines()
+            err = log.read_text(errors="replace").strip().splitlines()
             raise RuntimeError(
                 f"the OpenEnv server for {section.env!r} exited at start: "
                 f"{err[-1] if err else 'no message'}"

@@ -30,6 +30,7 @@ an exception from the game fails that episode's samples (counted), never the run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -174,10 +175,8 @@ async def _episode(
         error = f"EnvError: {type(cause).__name__}: {cause}"
     finally:
         if env is not None:
-            try:
+            with contextlib.suppress(Exception):
                 env.close()
-            except Exception:
-                pass
     samples = {
         name: Sample(
             prompt_ids=v.prompt_ids,
