@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import inspect
 import json
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -247,10 +248,10 @@ class _EnvFailure(Exception):
 
 
 async def _call_env(fn: Any, arg: Any, timeout: float | None) -> Any:
-    """``fn(arg)`` under `timeout`: a sync method runs in a worker thread (so an environment that
-    blocks cannot stall the other episodes; a hung thread cannot be killed and is left behind),
-    an async one is awaited."""
-    call = fn(arg) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, arg)
+    """``fn(arg)`` under `timeout`: a sync method runs in a thread of its own (so an environment
+    that blocks stalls neither the other episodes nor a shared pool; a hung thread cannot be
+    killed and is left behind as a daemon), an async one is awaited."""
+    call = fn(arg) if inspect.iscoroutinefunction(fn) else _in_thread(fn, arg)
     try:
         result = await asyncio.wait_for(call, timeout)
         if inspect.isawaitable(result):
@@ -259,6 +260,27 @@ async def _call_env(fn: Any, arg: Any, timeout: float | None) -> Any:
         name = getattr(fn, "__qualname__", "env call")
         raise TimeoutError(f"{name} took longer than agent.env_timeout_s={timeout} s") from None
     return result
+
+
+def _in_thread(fn: Any, arg: Any) -> asyncio.Future:
+    """A future of ``fn(arg)`` run in a new daemon thread."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        try:
+            value, ok = fn(arg), True
+        except BaseException as e:  # handed to the awaiting episode
+            value, ok = e, False
+        with contextlib.suppress(RuntimeError):  # the loop may be gone after a timeout
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=work, daemon=True, name="weir-env").start()
+    return future
 
 
 async def _env_reset(env: Any, row: dict, timeout: float | None = None) -> Any:
