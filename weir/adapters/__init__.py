@@ -6,7 +6,6 @@
 | `gymnasium` | gymnasium (`gymnasium`) | the env of multi-turn episodes, `agent.env: gymnasium` |
 | `openenv` | openenv-core (`openenv`) | the env, in process or over its HTTP server, `agent.env: openenv` |
 | `textarena` | textarena (`textarena`) | a multi-agent episode, one role per player |
-| `verifiers` | verifiers (`verifiers`) | the rollout (its loop, weir's engine) and the reward (its rubric) |
 
 The loop asks this module for the rows (`adapter_rows`), the default reward (`adapter_reward`),
 the SFT rows (`adapter_sft_rows`) and what the rollout functions read (`adapter_extras`); each
@@ -39,10 +38,6 @@ def adapter_rows(cfg: Any, split: str) -> list[dict[str, Any]] | None:
         from weir.adapters import reasoning_gym
 
         return reasoning_gym.rows(cfg.reasoning_gym, split, n, cfg.run.seed, cfg.data.eval_size)
-    if cfg.verifiers.env is not None:
-        from weir.adapters import verifiers
-
-        return verifiers.rows(cfg.verifiers, split, n, seed)
     if cfg.textarena.env_id is not None:
         return _seed_rows(cfg.textarena.env_id, n, seed)
     if cfg.agent.env == "gymnasium" and cfg.gymnasium.id is not None:
@@ -53,12 +48,9 @@ def adapter_rows(cfg: Any, split: str) -> list[dict[str, Any]] | None:
 
 
 def adapter_reward(cfg: Any) -> str | None:
-    """The reward an adapter section implies (reasoning-gym's verifier, verifiers' rubric), or
-    None."""
+    """The reward an adapter section implies (reasoning-gym's verifier), or None."""
     if cfg.reasoning_gym.dataset is not None:
         return "weir.adapters.reasoning_gym:score"
-    if cfg.verifiers.env is not None:
-        return "weir.adapters.verifiers:rubric_reward"
     return None
 
 
@@ -102,8 +94,4 @@ def adapter_extras(cfg: Any) -> dict[str, Any]:
         from weir.adapters import textarena
 
         extras["textarena"] = textarena.check(cfg.textarena, cfg.multi_agent)
-    if cfg.verifiers.env is not None:
-        from weir.adapters import verifiers
-
-        extras["verifiers"] = verifiers.load(cfg.verifiers)
     return extras

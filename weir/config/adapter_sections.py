@@ -1,6 +1,6 @@
 """Config sections of the ecosystem adapters (`weir.adapters`): tasks and environments from
-reasoning-gym, verifiers, OpenEnv, textarena and gymnasium, each behind its own section and
-optional extra (``pip install 'weir[reasoning-gym]'`` ...); see docs/ecosystem.md.
+reasoning-gym, OpenEnv, textarena and gymnasium, each behind its own section and optional extra
+(``pip install 'weir[reasoning-gym]'`` ...); see docs/ecosystem.md.
 """
 
 from __future__ import annotations
@@ -96,16 +96,3 @@ class TextArenaConfig(Section):
     is new since its last turn (`last`, shorter; its first turn shows everything so far)."""
     draw_reward: float | None = None
     """Reward of each player in a game cut at max_turns; null: textarena's own (0 for a draw)."""
-
-
-class VerifiersConfig(Section):
-    """A `verifiers` environment as weir's rollout and reward (`rollout.function:
-    weir.adapters.verifiers:rollout`)."""
-
-    env: str | None = None
-    """The environment: an installed verifiers environment id (`vf.load_environment`), or a
-    dotted path to a function returning a `verifiers` Environment."""
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for it."""
-    max_turns: int | None = Field(None, ge=1)
-    """Most model turns of an episode; null: the environment's own limit."""

@@ -15,7 +15,6 @@ from weir.config.adapter_sections import (  # noqa: F401
     OpenEnvConfig,
     ReasoningGymConfig,
     TextArenaConfig,
-    VerifiersConfig,
 )
 from weir.config.episode_sections import (  # noqa: F401
     AgentConfig,
@@ -78,7 +77,6 @@ class Config(Section):
     gymnasium: GymnasiumConfig = Field(default_factory=GymnasiumConfig)
     openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig)
     textarena: TextArenaConfig = Field(default_factory=TextArenaConfig)
-    verifiers: VerifiersConfig = Field(default_factory=VerifiersConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -150,7 +148,6 @@ class Config(Section):
         env = self.agent.env
         return bool(
             self.reasoning_gym.dataset
-            or self.verifiers.env
             or self.textarena.env_id
             or (env == "gymnasium" and self.gymnasium.id)
             or (env == "openenv" and self.openenv.env)
