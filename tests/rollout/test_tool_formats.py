@@ -248,7 +248,7 @@ CALL_LISTS = st.lists(
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "tag"])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(calls=CALL_LISTS)
 def test_parse_inverts_render_for_any_calls(fmt, calls):
     parsed = parse_tool_calls(render_tool_calls(calls, fmt), fmt)
@@ -282,7 +282,7 @@ PIECES = list('<>{}[]":;,=|/\n xyz1') + [
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(text=st.lists(st.sampled_from(PIECES), max_size=30).map("".join))
 def test_no_text_makes_a_parser_raise(fmt, text):
     parsed = parse_tool_calls(text, fmt)
