@@ -16,10 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["adapter_rows", "adapter_reward", "adapter_sft_rows", "adapter_extras", "ENV_NAMES"]
-
-ENV_NAMES = ("gymnasium", "openenv")
-"""`agent.env` names that take their environment from an adapter section."""
+__all__ = [
+    "adapter_rows",
+    "adapter_reward",
+    "adapter_reward_kwargs",
+    "adapter_sft_rows",
+    "adapter_extras",
+]
 
 
 def _seed_rows(label: str, n: int, seed: int) -> list[dict[str, Any]]:
