@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import inspect
 import json
+import queue
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,7 +37,7 @@ from weir.data.prompts import PromptTooLong, prompt_messages
 from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
-from weir.rollout.env import StepResult, ToolEnv, as_step_result, maybe_await
+from weir.rollout.env import StepResult, ToolEnv, as_step_result
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
 from weir.rollout.tool_calls import get_tool_format, raw_turn_text
@@ -145,8 +146,9 @@ async def run_episode(
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
     prompt_ids: list[int] = []
     timeout = getattr(agent, "env_timeout_s", None)
+    worker = _EnvThread()  # the episode's sync env calls, in order, on one thread of their own
     try:
-        first = await _env_reset(env, row, timeout)
+        first = await _env_reset(env, row, timeout, worker)
         prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
         for turn in range(agent.max_turns):
             budget = agent.max_tokens - len(ids)
@@ -176,7 +178,7 @@ async def run_episode(
                 if getattr(env, "raw_action", False)
                 else final_text
             )
-            step = await _env_step(env, action, timeout)
+            step = await _env_step(env, action, timeout, worker)
             env_rewards.append(step.reward)
             for k in COUNTERS:
                 counts[k] += step.info[k]
@@ -206,9 +208,12 @@ async def run_episode(
             env_errors["env_bad_results"] = 1
     finally:
         close = getattr(env, "close", None)
-        if callable(close):
-            with contextlib.suppress(Exception):  # a failing close() must not hide the episode
-                await maybe_await(close())
+        if callable(close) and not env_errors["env_timeouts"]:  # a hung env's thread is busy
+            with contextlib.suppress(
+                Exception
+            ):  # a failing or hung close() must not hide the episode
+                await _call_env(lambda _: close(), None, timeout, worker)
+        worker.stop()
     sample = Sample(
         prompt_ids=prompt_ids,
         response_ids=ids,
@@ -247,11 +252,12 @@ class _EnvFailure(Exception):
         self.bad_result = bad_result
 
 
-async def _call_env(fn: Any, arg: Any, timeout: float | None) -> Any:
-    """``fn(arg)`` under `timeout`: a sync method runs in a thread of its own (so an environment
-    that blocks stalls neither the other episodes nor a shared pool; a hung thread cannot be
-    killed and is left behind as a daemon), an async one is awaited."""
-    call = fn(arg) if inspect.iscoroutinefunction(fn) else _in_thread(fn, arg)
+async def _call_env(fn: Any, arg: Any, timeout: float | None, worker: _EnvThread) -> Any:
+    """``fn(arg)`` under `timeout`: a sync method runs on the episode's own thread (`worker`), so
+    an environment that blocks stalls no other episode, and every call of one environment runs on
+    the same thread (thread-bound resources such as sqlite connections keep working); an async
+    method is awaited."""
+    call = fn(arg) if inspect.iscoroutinefunction(fn) else worker.submit(fn, arg)
     try:
         result = await asyncio.wait_for(call, timeout)
         if inspect.isawaitable(result):
@@ -262,31 +268,48 @@ async def _call_env(fn: Any, arg: Any, timeout: float | None) -> Any:
     return result
 
 
-def _in_thread(fn: Any, arg: Any) -> asyncio.Future:
-    """A future of ``fn(arg)`` run in a new daemon thread."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
+class _EnvThread:
+    """One daemon thread running an episode's sync environment calls in order. A call that hangs
+    keeps the thread (it cannot be killed; being a daemon it never holds up the process's exit);
+    the episode has already failed by then and submits nothing more."""
 
-    def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    def work() -> None:
-        try:
-            value, ok = fn(arg), True
-        except BaseException as e:  # handed to the awaiting episode
-            value, ok = e, False
-        with contextlib.suppress(RuntimeError):  # the loop may be gone after a timeout
-            loop.call_soon_threadsafe(settle, ok, value)
+    def submit(self, fn: Any, arg: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="weir-env")
+            self._thread.start()
+        self._jobs.put((loop, future, fn, arg))
+        return future
 
-    threading.Thread(target=work, daemon=True, name="weir-env").start()
-    return future
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, arg = job
+            try:
+                value, ok = fn(arg), True
+            except BaseException as e:  # handed to the awaiting episode
+                value, ok = e, False
+            with contextlib.suppress(RuntimeError):  # the loop may be gone after a timeout
+                loop.call_soon_threadsafe(_settle, future, ok, value)
 
 
-async def _env_reset(env: Any, row: dict, timeout: float | None = None) -> Any:
+def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+    if not future.done():
+        future.set_result(value) if ok else future.set_exception(value)
+
+
+async def _env_reset(env: Any, row: dict, timeout: float | None, worker: _EnvThread) -> Any:
     """``env.reset(row)`` (sync or async), checked; failures become `_EnvFailure`."""
     try:
-        first = await _call_env(env.reset, row, timeout)
+        first = await _call_env(env.reset, row, timeout, worker)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -299,12 +322,12 @@ async def _env_reset(env: Any, row: dict, timeout: float | None = None) -> Any:
     return first
 
 
-async def _env_step(env: Any, action: str, timeout: float | None = None) -> StepResult:
+async def _env_step(env: Any, action: str, timeout: float | None, worker: _EnvThread) -> StepResult:
     """``env.step(action)`` (sync or async), checked, with its counters read as ints. Any
     exception, a timeout or a wrong result becomes `_EnvFailure`, which fails the sample (engine
     errors, in contrast, propagate to the collector as rollout errors)."""
     try:
-        value = await _call_env(env.step, action, timeout)
+        value = await _call_env(env.step, action, timeout, worker)
     except asyncio.CancelledError:
         raise
     except Exception as e:
