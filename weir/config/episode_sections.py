@@ -65,7 +65,8 @@ class AgentConfig(Section):
     environments judge any text) instead of ending the episode as truncated."""
     env_timeout_s: float | None = Field(60.0, gt=0)
     """An environment's reset or step taking longer fails that episode (counted in
-    agent/env_timeouts); sync environments run in a worker thread so a hung one stalls nothing."""
+    agent/env_timeouts); a sync environment runs on a thread of its episode's own, so a hung one
+    stalls no other episode."""
     reward: Literal["task", "env", "sum"] = "sum"
     """Sample reward: the reward function's (`task`), the discounted sum of the environment's
     per-step rewards (`env`), or both added (`sum`)."""
