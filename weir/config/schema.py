@@ -10,6 +10,12 @@ import warnings
 
 from pydantic import Field, model_validator
 
+from weir.config.adapter_sections import (  # noqa: F401
+    GymnasiumConfig,
+    OpenEnvConfig,
+    ReasoningGymConfig,
+    TextArenaConfig,
+)
 from weir.config.episode_sections import (  # noqa: F401
     AgentConfig,
     MultiAgentConfig,
@@ -67,6 +73,10 @@ class Config(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     vision: VisionConfig = Field(default_factory=VisionConfig)
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
+    gymnasium: GymnasiumConfig = Field(default_factory=GymnasiumConfig)
+    openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig)
+    textarena: TextArenaConfig = Field(default_factory=TextArenaConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -76,9 +86,10 @@ class Config(Section):
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} must divide rollout.batch_prompts * rollout.n = {total}"
             )
-        if self.data.task is None and self.data.source is None:
+        adapter_data = self._adapter_data()
+        if self.data.task is None and self.data.source is None and not adapter_data:
             raise ValueError("set data.task to a built-in task or data.source to your prompts")
-        if self.data.task is None and self.data.eval_source is None:
+        if self.data.task is None and self.data.eval_source is None and not adapter_data:
             raise ValueError(
                 "set data.eval_source to held-out prompts (or data.task to a built-in task)"
             )
@@ -131,6 +142,16 @@ class Config(Section):
             )
         self._check_multi_agent()
         return self
+
+    def _adapter_data(self) -> bool:
+        """An adapter section that provides the prompts (weir.adapters.adapter_rows)."""
+        env = self.agent.env
+        return bool(
+            self.reasoning_gym.dataset
+            or self.textarena.env_id
+            or (env == "gymnasium" and self.gymnasium.id)
+            or (env == "openenv" and self.openenv.env)
+        )
 
     def _warn_behavior_logprobs(self) -> None:
         """Corrections against the full-vocabulary log-probs of a truncated sampler are biased."""

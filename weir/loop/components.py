@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from weir.adapters import adapter_extras, adapter_reward, adapter_reward_kwargs, adapter_rows
 from weir.config import Config
 from weir.config.devices import resolve_device, resolve_dtype
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
@@ -101,6 +102,9 @@ def task_rows(cfg: Config, split: str) -> list[dict]:
     source = d.source if split == "train" else d.eval_source
     if source is not None:
         return load_rows(source)
+    rows = adapter_rows(cfg, split)  # reasoning-gym, verifiers, an environment's reset seeds
+    if rows is not None:
+        return rows
     if d.task is None:
         raise ValueError(
             f"no {split} data: set data.eval_source (or data.task for a built-in task)"
@@ -193,7 +197,10 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
         check_reward("combine", {"components": components})
         return get_reward("combine", components=components)
     spec = (
-        reward or cfg.reward.function or (get_task(cfg.data.task).reward if cfg.data.task else None)
+        reward
+        or cfg.reward.function
+        or adapter_reward(cfg)
+        or (get_task(cfg.data.task).reward if cfg.data.task else None)
     )
     if spec is None and (cfg.agent.reward == "env" or cfg.multi_agent.scorer is not None):
         return _no_task_reward
@@ -202,6 +209,8 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
             "no reward: set reward.function (a built-in name or a dotted path) or data.task"
         )
     kwargs = dict(cfg.reward.kwargs)
+    if spec == adapter_reward(cfg):
+        kwargs = {**adapter_reward_kwargs(cfg), **kwargs}
     if cfg.data.answer_key != "answer" and _takes_answer_key(spec):
         kwargs.setdefault("answer_key", cfg.data.answer_key)
     fn = get_reward(spec, **kwargs)
@@ -328,7 +337,7 @@ def make_contexts(
         encode_vision=encode.encode if encode.takes_images else None,
         placeholder_ids=placeholders,
         reward_timeout_s=cfg.reward.timeout_s,
-        extras={**agent_extras(cfg), **multi_agent_extras(cfg)},
+        extras={**agent_extras(cfg), **multi_agent_extras(cfg), **adapter_extras(cfg)},
     )
     eval_ctx = train_ctx.with_sampling(
         n=e.n,
