@@ -9,20 +9,21 @@ Response lengths are drawn from a lognormal (seeded; median `--response-median`,
 [16, `--response-max`]) as RL batches have them, and, for comparison, all equal. Prompt lengths are
 uniform in `--prompt-len`.
 
-What it measures, per shape, in this order (each part is skipped, and said so, when `--budget-s`
-would be exceeded; what was measured is still printed and written):
+What it measures, per shape (each shape an equal share of the budget left), in this order (each
+part is skipped, and said so, when `--budget-s` would be exceeded; what was measured is still
+printed and written):
 
 - main: the default config (`train.packing=auto`, checkpointing off): one untimed warm-up step
   (printed: it pays CUDA's lazy loading, cuBLAS heuristics, allocator growth, AdamW's state and
   any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU;
 - profile: one warm step under torch.profiler: the top CUDA kernels and their share of the step;
+- fuse: the main config with each fused route of `train.fuse` (`liger`, `compile`; where this
+  weir has them), each on a fresh model (both patch the model in place);
 - layouts: tokens/s of each micro-batch layout (`padded`, `prefix`, `packed`, and `varlen` where
   this weir has it: detected by name in `train.packing`'s choices);
 - fixed: the main config on equal response lengths;
 - head: the main config with the reference log-prob/entropy functions instead of the fused kernel
   (where `train.logprob_kernel` exists);
-- fuse: the main config with each fused route of `train.fuse` (`liger`, `compile`; where this
-  weir has them), each on a fresh model (both patch the model in place);
 - checkpointing: the main config with `train.gradient_checkpointing=true`.
 - once: the LM-head statistics alone on `--head-rows` x V bfloat16 logits (forward + backward), each
   kernel against the reference functions: time, peak memory, largest differences.
@@ -340,6 +341,22 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
     if not step_s[0]:
         return res
     w, n = args.variant_warmup, args.variant_steps
+    for route in fused_routes(model, device):
+
+        def fused(route=route):  # a fresh model: both routes patch the model in place for good
+            return run_config(
+                build_model(shape, device),
+                shape,
+                real,
+                args,
+                device,
+                env,
+                warm=w,
+                steps=n,
+                fuse=route,
+            )
+
+        part(f"fuse_{route}", (w + n) * 2 + (8 if route == "compile" else 2), fused)
     main_layout = res["main"]["layout"]
     res["layouts"] = {main_layout: "main"}
     for layout in layouts:
@@ -367,22 +384,6 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
                 model, shape, real, args, device, env, warm=w, steps=n, logprob_kernel="reference"
             ),
         )
-    for route in fused_routes(model, device):
-
-        def fused(route=route):  # a fresh model: both routes patch the model in place for good
-            return run_config(
-                build_model(shape, device),
-                shape,
-                real,
-                args,
-                device,
-                env,
-                warm=w,
-                steps=n,
-                fuse=route,
-            )
-
-        part(f"fuse_{route}", (w + n) * 2 + (8 if route == "compile" else 2), fused)
     part(  # last: HF cannot turn checkpointing off again on this model
         "checkpointing",
         (w + n) * 1.5,
@@ -500,8 +501,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"env": env, "args": vars(args), "shapes": {}, "skipped": []}
     head_done = False
     try:
-        for shape in args.shapes.split(","):
-            report["shapes"][shape] = measure_shape(shape, args, device, env, shapes_budget, report)
+        shapes = args.shapes.split(",")
+        for i, shape in enumerate(shapes):  # each shape an equal share of what is left
+            share = Budget(shapes_budget.left() / (len(shapes) - i))
+            report["shapes"][shape] = measure_shape(shape, args, device, env, share, report)
             if not head_done and shapes_budget.left() > 20:
                 head_done = True
                 report["head"] = head_bench(
