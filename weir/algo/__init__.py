@@ -22,6 +22,13 @@ Typical step::
 from .advantages import ADVANTAGES, AdvantageResult, compute_advantages, masked_whiten
 from .aggregation import AGG_MODES, aggregate_loss
 from .correction import CORRECTION_MODES, CorrectionResult, rollout_correction
+from .correction_presets import (
+    CORRECTION_PRESETS,
+    RECOMMENDABLE,
+    mismatch_diagnostics,
+    preset_settings,
+    recommend_preset,
+)
 from .entropy import entropy_from_logits, logprobs_from_logits
 from .kl import (
     KL_KINDS,
@@ -39,6 +46,8 @@ __all__ = [
     "ADVANTAGES",
     "AGG_MODES",
     "CORRECTION_MODES",
+    "CORRECTION_PRESETS",
+    "RECOMMENDABLE",
     "KL_KINDS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
@@ -55,6 +64,9 @@ __all__ = [
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_whiten",
+    "mismatch_diagnostics",
+    "preset_settings",
+    "recommend_preset",
     "resolve",
     "rollout_correction",
     "ValueLoss",

@@ -136,7 +136,7 @@ class Config(Section):
         """Corrections against the full-vocabulary log-probs of a truncated sampler are biased."""
         r, a = self.rollout, self.algo
         truncated = r.top_p < 1.0 or r.top_k > 0
-        weighs = a.correction.mode != "none" or a.policy_loss == "decoupled_ppo"
+        weighs = a.correction.active or a.policy_loss == "decoupled_ppo"
         if truncated and weighs and a.behavior_logprobs == "full":
             warnings.warn(
                 f"algo.behavior_logprobs=full with rollout.top_p={r.top_p} / top_k={r.top_k}: "
@@ -200,7 +200,7 @@ class Config(Section):
 
     @property
     def correction_needs_engine_logprobs(self) -> bool:
-        return self.algo.correction.mode != "none"
+        return self.algo.correction.active
 
     @model_validator(mode="after")
     def _check_separate_policies(self) -> Config:

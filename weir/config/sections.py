@@ -164,7 +164,18 @@ class KLConfig(Section):
 
 
 class CorrectionConfig(Section):
-    mode: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
+    preset: (
+        Literal[
+            "tis", "seq_tis", "geo_tis", "token_mask", "icepop", "seq_mask", "seq_mis", "geo_mask"
+        ]
+        | None
+    ) = None
+    """A named correction with its published band (docs/algorithms.md, "Presets"); it stands for
+    mode, cap, low, high and seq_ratio (weir.algo.correction_presets), and a key also set here
+    explicitly keeps the explicit value."""
+    mode: Literal[
+        "none", "token_tis", "seq_tis", "token_mask", "seq_mask", "token_mis", "seq_mis"
+    ] = "none"
     """Correction of the engine/trainer log-prob mismatch (truncated importance sampling or masking)."""
     cap: float = Field(2.0, gt=0)
     """Truncation cap C for TIS weights."""
@@ -172,6 +183,14 @@ class CorrectionConfig(Section):
     """Masking modes drop tokens / sequences whose trainer/engine ratio is below this."""
     high: float = Field(2.0, gt=0)
     """Masking modes drop tokens / sequences whose trainer/engine ratio is above this."""
+    seq_ratio: Literal["product", "geometric"] = "product"
+    """The sequence-level modes' ratio: the product of the token ratios (the likelihood ratio) or
+    their geometric mean (length-normalised)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether a correction (a preset or a mode) is configured."""
+        return self.preset is not None or self.mode != "none"
 
 
 class AlgoConfig(Section):

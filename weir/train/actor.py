@@ -19,7 +19,7 @@ import torch
 
 from weir import algo
 from weir.telemetry.timeline import span
-from weir.train.actor_settings import ActorSettings, check_algo_options
+from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
 from weir.train.batch import TrainBatch
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
@@ -37,6 +37,7 @@ from weir.train.step_checks import (
     drop_nonfinite,
     finite_forward,
     mismatch,
+    mismatch_spread,
     warn_over_max_len,
 )
 
@@ -100,6 +101,7 @@ class Actor:
         self.loss_fn = algo.resolve(
             self.acfg.policy_loss, algo.POLICY_LOSSES, kind="algo.policy_loss"
         )
+        self.correction = correction_settings(self.acfg.correction)
         kl = self.acfg.kl
         self.ref = self._reference(model) if kl.coef > 0 else None
         if kl.adaptive_target is not None:
@@ -207,7 +209,7 @@ class Actor:
         return (
             self.acfg.old_logprobs == "recompute"
             or self.acfg.policy_loss == "decoupled_ppo"
-            or self.acfg.correction.mode != "none"
+            or self.correction["mode"] != "none"
         )
 
     @torch.no_grad()
@@ -246,7 +248,7 @@ class Actor:
             self.fuses_old_logprobs
             and self.acfg.old_logprobs == "recompute"
             and self.acfg.policy_loss != "decoupled_ppo"
-            and self.acfg.correction.mode == "none"
+            and self.correction["mode"] == "none"
             and self.ref is None
             and self.tcfg.epochs == 1
             and self.tcfg.mini_batches == 1
@@ -295,9 +297,12 @@ class Actor:
             }
         if self.needs_recompute and not fused:
             stats.update(mismatch(old, batch))
+            stats.update(mismatch_spread(old, self._behavior(batch), batch))
         elif self.tcfg.mini_batches > 1:
             # later mini-batches are trained after earlier updates; measure every row before any
-            stats.update(mismatch(self.logprobs(self.model, batch), batch))
+            before = self.logprobs(self.model, batch)
+            stats.update(mismatch(before, batch))
+            stats.update(mismatch_spread(before, self._behavior(batch), batch))
         if self.acfg.loss_agg == "seq-mean-token-sum-norm" and not self._warned_max_len:
             self._warned_max_len = warn_over_max_len(mask, self.max_len)
         token_rewards, weights = None, None
@@ -311,11 +316,8 @@ class Actor:
                 )
                 self.kl_ctl.update(stats["kl/ref"], len(batch))
                 stats["kl/coef"] = self.kl_ctl.value
-        if self.acfg.correction.mode != "none":
-            c = self.acfg.correction
-            corr = algo.rollout_correction(
-                old, self._behavior(batch), mask, mode=c.mode, cap=c.cap, low=c.low, high=c.high
-            )
+        if self.correction["mode"] != "none":
+            corr = algo.rollout_correction(old, self._behavior(batch), mask, **self.correction)
             weights, mask = corr.weights, corr.mask
             stats.update({f"correction/{k}": v for k, v in corr.metrics.items()})
             if not mask.any():  # the correction rejected every token: nothing to learn from
@@ -360,6 +362,8 @@ class Actor:
         peaks: dict[str, float] = {}
         n_tokens = 0.0
         self._mismatch_sums = [0.0, 0.0, 0.0]  # |engine - trainer|, tokens, k3 (fused only)
+        self._first_logp = torch.zeros_like(batch.rollout_logprobs)  # the first forward's rows
+        self._first_rows = torch.zeros(len(batch), device=self.device)
         for epoch in range(self.tcfg.epochs):
             order = torch.randperm(
                 len(batch), generator=torch.Generator().manual_seed(self.updates + epoch)
@@ -394,6 +398,9 @@ class Actor:
             stats["mismatch/abs_logp_diff"] = totals["diff"] / totals["tokens"]
             if fused:
                 stats["mismatch/kl"] = self._mismatch_sums[2] / totals["tokens"]
+            rows = self._combine_rows(self._first_rows)
+            first = self._combine_rows(self._first_logp)
+            stats.update(mismatch_spread(first, self._behavior(batch), batch, rows > 0))
         finite = [g for g in grad_norms if math.isfinite(g)]
         stats["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         stats["train/skipped_updates"] = float(self.skipped_updates)
@@ -542,6 +549,8 @@ class Actor:
             diff = (out.logprobs.detach() - behaviour) * policy
             self._mismatch_sums[0] += diff.abs().sum().item()
             self._mismatch_sums[1] += policy.sum().item()
+            self._first_logp[idx] = out.logprobs.detach().to(self._first_logp.dtype)
+            self._first_rows[idx] = 1.0
             if old is None:  # the k3 KL that `_mismatch` reports for a separate pass
                 k3 = algo.kl_penalty(behaviour, out.logprobs.detach(), "k3") * policy
                 self._mismatch_sums[2] += k3.sum().item()

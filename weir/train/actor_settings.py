@@ -11,7 +11,7 @@ import torch
 
 from weir import algo
 from weir.config import Config
-from weir.config.schema import AlgoConfig, TrainConfig
+from weir.config.schema import AlgoConfig, CorrectionConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,17 @@ def check_algo_options(
         behavior_logp=probe if acfg.policy_loss == "decoupled_ppo" else None,
         **loss_options,
     )
+
+
+CORRECTION_KEYS = ("mode", "cap", "low", "high", "seq_ratio")
+
+
+def correction_settings(c: CorrectionConfig) -> dict[str, Any]:
+    """`algo.correction` as `weir.algo.rollout_correction`'s keyword arguments: the section's values,
+    overridden by its preset's (`weir.algo.correction_presets`), overridden in turn by the keys the
+    user set explicitly."""
+    out = {k: getattr(c, k) for k in CORRECTION_KEYS}
+    if c.preset is not None:
+        out.update(algo.preset_settings(c.preset))
+        out.update({k: getattr(c, k) for k in CORRECTION_KEYS if k in c.model_fields_set})
+    return out

@@ -16,7 +16,7 @@ import torch
 from weir import algo
 from weir.train.batch import TrainBatch
 
-__all__ = ["finite_forward", "drop_nonfinite", "mismatch", "warn_over_max_len"]
+__all__ = ["finite_forward", "drop_nonfinite", "mismatch", "mismatch_spread", "warn_over_max_len"]
 
 
 def finite_forward(out, mask: torch.Tensor) -> bool:
@@ -75,6 +75,25 @@ def mismatch(trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         "mismatch/abs_logp_diff": (d.abs().sum() / n).item(),
         "mismatch/kl": (k3.sum() / n).item(),
     }
+
+
+def mismatch_spread(
+    trainer_logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    batch: TrainBatch,
+    rows: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """The spread of the importance ratios trainer / engine on the policy tokens, as the correction
+    presets see it (`weir.algo.mismatch_diagnostics`: ratio quantiles, the share outside each
+    preset's band, the preset the run needs), as `mismatch/*`. `rows`: (B,) bool, the rows whose
+    `trainer_logp` were computed (default: all)."""
+    m = (batch.response_mask > 0) & (batch.versions >= 0)
+    if rows is not None:
+        m &= rows.bool().unsqueeze(1)
+    if not m.any():
+        return {}
+    diag = algo.mismatch_diagnostics(trainer_logp, behaviour, m)
+    return {f"mismatch/{k}": v for k, v in diag.items()}
 
 
 def add_loss_metrics(
