@@ -59,7 +59,9 @@ def test_every_preset_has_a_hand_example():
 def test_preset_weights_and_mask(name):
     res = rollout_correction(TRAIN, ROLL, MASK, **preset_settings(name))
     weights, mask = EXPECTED[name]
-    torch.testing.assert_close(res.weights, torch.tensor(weights, dtype=torch.float32), atol=2e-6, rtol=0)
+    torch.testing.assert_close(
+        res.weights, torch.tensor(weights, dtype=torch.float32), atol=2e-6, rtol=0
+    )
     assert res.mask.int().tolist() == mask
 
 
@@ -70,11 +72,23 @@ def test_config_names_match_the_presets():
 
 def test_preset_then_explicit_keys():
     icepop = correction_settings(CorrectionConfig(preset="icepop"))
-    assert icepop == {"mode": "token_mis", "cap": 2.0, "low": 0.5, "high": 5.0, "seq_ratio": "product"}
+    assert icepop == {
+        "mode": "token_mis",
+        "cap": 2.0,
+        "low": 0.5,
+        "high": 5.0,
+        "seq_ratio": "product",
+    }
     wider = correction_settings(CorrectionConfig(preset="icepop", high=8.0))
     assert (wider["mode"], wider["low"], wider["high"]) == ("token_mis", 0.5, 8.0)
     plain = correction_settings(CorrectionConfig(mode="seq_tis", cap=3.0, seq_ratio="geometric"))
-    assert plain == {"mode": "seq_tis", "cap": 3.0, "low": 0.5, "high": 2.0, "seq_ratio": "geometric"}
+    assert plain == {
+        "mode": "seq_tis",
+        "cap": 3.0,
+        "low": 0.5,
+        "high": 2.0,
+        "seq_ratio": "geometric",
+    }
 
 
 def test_unknown_preset_is_one_line():

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from transformers import AutoModelForCausalLM
 
 from tests.toy import toy_groups

@@ -85,7 +85,9 @@ _PRESETS = (
     CorrectionPreset("tis", "token_tis", "token", cap=2.0, source="Yao et al. 2025"),
     CorrectionPreset("seq_tis", "seq_tis", "seq", cap=2.0, source="Liu, Li et al. 2025"),
     CorrectionPreset("geo_tis", "seq_tis", "geo", cap=2.0, source="geometric-mean sequence TIS"),
-    CorrectionPreset("token_mask", "token_mask", "token", low=0.5, high=2.0, source="verl token_rs"),
+    CorrectionPreset(
+        "token_mask", "token_mask", "token", low=0.5, high=2.0, source="verl token_rs"
+    ),
     CorrectionPreset("icepop", "token_mis", "token", low=0.5, high=5.0, source="Ling Team 2025"),
     CorrectionPreset("seq_mask", "seq_mask", "seq", low=0.5, high=2.0, source="verl seq_rs"),
     CorrectionPreset("seq_mis", "seq_mis", "seq", low=0.0, high=2.0, source="Liu, Li et al. 2025"),
@@ -120,7 +122,9 @@ def _quantiles(x: Tensor) -> list[float]:
     return s[idx.to(s.device)].tolist()
 
 
-def mismatch_diagnostics(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, float]:
+def mismatch_diagnostics(
+    train_logp: Tensor, rollout_logp: Tensor, mask: Tensor
+) -> dict[str, float]:
     """How far the trainer's log-probs are from the engine's, as the presets see it.
 
     Returns (python floats, over trained tokens / sequences with a trained token):
