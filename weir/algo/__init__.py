@@ -29,6 +29,7 @@ from .correction_presets import (
     preset_settings,
     recommend_preset,
 )
+from .distill import reverse_kl, reverse_kl_advantages, reverse_kl_loss
 from .entropy import entropy_from_logits, logprobs_from_logits
 from .kl import (
     KL_KINDS,
@@ -68,6 +69,9 @@ __all__ = [
     "preset_settings",
     "recommend_preset",
     "resolve",
+    "reverse_kl",
+    "reverse_kl_advantages",
+    "reverse_kl_loss",
     "rollout_correction",
     "ValueLoss",
     "value_loss",

@@ -27,6 +27,7 @@ from weir.config.sections import (  # noqa: F401  (re-exported: the sections liv
     CorrectionConfig,
     CriticConfig,
     DataConfig,
+    DistillConfig,
     EngineConfig,
     EvalConfig,
     KLConfig,

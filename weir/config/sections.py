@@ -193,6 +193,36 @@ class CorrectionConfig(Section):
         return self.preset is not None or self.mode != "none"
 
 
+class DistillConfig(Section):
+    """On-policy distillation (docs/distillation.md): a teacher scores the student's own sampled
+    tokens and the per-token reverse KL ``log pi_student - log pi_teacher`` trains the student."""
+
+    teacher: str | None = None
+    """null: off. `reference`: the reference model (the initial policy, as for algo.kl); a model
+    directory or `tiny:<size>` (loaded like the policy, scored in batches by the trainer with its own
+    kernels; it must share the policy's tokenizer); or the base URL of an OpenAI-compatible server
+    (`http://host:port`, e.g. `vllm serve`) whose /v1/completions returns the log-probs of given
+    prompt token ids (`echo` with `logprobs`, or vLLM's `prompt_logprobs`); a server that cannot is
+    refused at start-up."""
+    coef: float = Field(1.0, gt=0.0)
+    """Weight c of the reverse KL: advantage ``-c * (log pi - log q)`` per token, or loss term
+    ``c * agg(sg(log pi - log q) log pi)``."""
+    reward_weight: float = Field(0.0, ge=0.0)
+    """Weight of the task reward's advantage (algo.advantage on the rewards) added to the
+    distillation advantage; 0 distils alone, the reward then only shows in the metrics."""
+    mode: Literal["advantage", "loss"] = "advantage"
+    """`advantage`: the dense per-token advantage goes through the policy loss (its ratio and clip);
+    `loss`: a separate term of the loss with the same gradient at ratio 1, not clipped."""
+    teacher_temperature: float = Field(1.0, gt=0.0)
+    """Temperature of the teacher's log-probs (1: its own distribution)."""
+    endpoint_model: str | None = None
+    """A served teacher: the model name to ask for (default: the first of its /v1/models)."""
+    endpoint_concurrency: int = Field(8, ge=1)
+    """A served teacher: requests in flight at once (one per sample)."""
+    endpoint_timeout_s: float = Field(120.0, gt=0)
+    """A served teacher: the longest one request may take."""
+
+
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, or a dotted path."""
@@ -212,6 +242,7 @@ class AlgoConfig(Section):
     old_logprobs: Literal["recompute", "engine"] = "recompute"
     """Old-policy log-probs: recomputed by the trainer before the update, or the engine's."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     behavior_logprobs: Literal["sampled", "full"] = "sampled"
     """The behaviour policy that algo.correction and decoupled PPO weigh against when
     rollout.top_k / rollout.top_p truncate sampling: `sampled`, the log-probs under the truncated,

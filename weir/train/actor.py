@@ -40,6 +40,7 @@ from weir.train.step_checks import (
     mismatch_spread,
     warn_over_max_len,
 )
+from weir.train.teacher import distill_advantages, distill_loss, make_teacher
 
 if TYPE_CHECKING:
     from weir.train.critic import Critic
@@ -103,7 +104,8 @@ class Actor:
         )
         self.correction = correction_settings(self.acfg.correction)
         kl = self.acfg.kl
-        self.ref = self._reference(model) if kl.coef > 0 else None
+        self.ref = self._reference(model) if settings.needs_reference else None
+        self.teacher = make_teacher(self)
         if kl.adaptive_target is not None:
             self.kl_ctl = algo.AdaptiveKLController(
                 kl.coef, kl.adaptive_target, kl.adaptive_horizon
@@ -144,15 +146,18 @@ class Actor:
                 compute_dtype=self.precision.compute_dtype,
             )
 
-    def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
-        """Response log-probs of one micro-batch in the configured layout and compute dtype."""
+    def _forward(
+        self, model: torch.nn.Module, seqs, lens, *, layout=None, temperature=None, **kwargs
+    ):
+        """Response log-probs of one micro-batch in the configured layout and compute dtype (or
+        `layout` and `temperature`: a distillation teacher's)."""
         with self.precision.autocast():
             return response_logprobs(
                 model,
                 seqs,
                 lens,
-                layout=self.layout,
-                temperature=self.temperature,
+                layout=layout or self.layout,
+                temperature=self.temperature if temperature is None else temperature,
                 chunk_size=self.tcfg.logprob_chunk_tokens,
                 one_pass=self.prefix_one_pass,
                 **kwargs,
@@ -162,8 +167,28 @@ class Actor:
         """The frozen reference policy for KL: a copy of the initial model."""
         return copy.deepcopy(model).eval().requires_grad_(False)
 
+    def _load_teacher(self, path: str) -> torch.nn.Module:
+        """A distillation teacher from a model directory, frozen, in the policy's device and dtype."""
+        from weir.train.model import load_model
+
+        teacher, _ = load_model(path, self.precision.param_dtype, self.device)
+        return teacher.eval().requires_grad_(False)
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Whether this process is the one that talks to the outside (a served teacher)."""
+        return True
+
+    def _from_first_rank(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `rows` on every rank (one process: `rows` itself)."""
+        return rows
+
     def _micro_batches(
-        self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
+        self,
+        indices: list[int],
+        seqs: list[list[int]],
+        lens: list[int] | None = None,
+        layout: Layout | None = None,
     ) -> list[list[int]]:
         """The micro-batches (lists of row indices) this process runs for rows `indices`
         (`lens`: every row's response length, which lets the `prefix` layout group shared prompts).
@@ -177,13 +202,15 @@ class Actor:
             for local in micro_batches(
                 [len(s) for s in mine],
                 self.tcfg.micro_batch_tokens,
-                self.layout,
+                layout or self.layout,
                 sequences=mine,
                 response_lengths=None if lens is None else [lens[i] for i in indices],
             )
         ]
 
-    def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
+    def _idle_pass(
+        self, model: torch.nn.Module, *, backward: bool, layout: Layout | None = None
+    ) -> None:
         """Run a padding micro-batch (a no-op for one process)."""
 
     def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -213,21 +240,30 @@ class Actor:
         )
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: TrainBatch,
+        *,
+        temperature: float | None = None,
+        layout: Layout | None = None,
+    ) -> torch.Tensor:
         """(B, T) log-probs of the batch's response tokens under `model`, without gradients, on the
-        trainer's device."""
+        trainer's device (`temperature`, `layout`: a distillation teacher's, else the policy's)."""
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens):
+        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens, layout):
             if not idx:
-                self._idle_pass(model, backward=False)
+                self._idle_pass(model, backward=False, layout=layout)
                 continue
             with span("logprobs", cat="train", sequences=len(idx)):
                 res = self._forward(
                     model,
                     [seqs[i] for i in idx],
                     [lens[i] for i in idx],
+                    layout=layout,
+                    temperature=temperature,
                     pad_to=out.shape[1],
                     visions=[vis[i] for i in idx],
                 )
@@ -249,7 +285,7 @@ class Actor:
             and self.acfg.old_logprobs == "recompute"
             and self.acfg.policy_loss != "decoupled_ppo"
             and self.correction["mode"] == "none"
-            and self.ref is None
+            and self.acfg.kl.coef == 0
             and self.tcfg.epochs == 1
             and self.tcfg.mini_batches == 1
         )
@@ -284,8 +320,14 @@ class Actor:
             old = self.logprobs(self.model, batch)
         else:
             old = batch.rollout_logprobs
-        ref = self.logprobs(self.ref, batch) if self.ref is not None else None
-        batch, old, ref, dropped = drop_nonfinite(batch, old, ref)
+        ref = self.logprobs(self.ref, batch) if self.acfg.kl.coef > 0 else None
+        teacher = None
+        if self.teacher is not None:
+            with span("teacher", cat="train"):
+                t0 = time.perf_counter()
+                teacher = self.teacher.logprobs(batch)
+                stats["time/teacher"] = time.perf_counter() - t0
+        batch, old, ref, teacher, dropped = drop_nonfinite(batch, old, ref, teacher)
         mask = batch.response_mask
         stats["train/nonfinite_logprob_samples"] = float(dropped)
         if not mask.any():  # every sample had a non-finite log-prob: skip the step, counted
@@ -348,7 +390,13 @@ class Actor:
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
             mask = adv.mask  # samples with non-finite rewards are excluded
-        dead = self._dead_rows(mask, adv.advantages)
+        advantages = adv.advantages
+        if teacher is not None:
+            advantages, distill_stats = distill_advantages(
+                self.acfg.distill, advantages, self._behavior(batch), teacher, mask
+            )
+            stats.update(distill_stats)
+        dead = self._dead_rows(mask, advantages)
         if dead is not None:
             stats["train/dead_rows"] = float(dead.float().mean())
         if critic is not None:
@@ -362,6 +410,7 @@ class Actor:
         peaks: dict[str, float] = {}
         n_tokens = 0.0
         self._mismatch_sums = [0.0, 0.0, 0.0]  # |engine - trainer|, tokens, k3 (fused only)
+        self._step_teacher = teacher if self.acfg.distill.mode == "loss" else None
         self._first_logp = torch.zeros_like(batch.rollout_logprobs)  # the first forward's rows
         self._first_rows = torch.zeros(len(batch), device=self.device)
         for epoch in range(self.tcfg.epochs):
@@ -377,7 +426,7 @@ class Actor:
                     mask,
                     old,
                     ref,
-                    adv.advantages,
+                    advantages,
                     weights,
                     first=first,
                     dead=dead,
@@ -537,6 +586,17 @@ class Actor:
             entropy_coef=self.acfg.entropy_coef,
             **self.loss_options,
         )
+        if self._step_teacher is not None:  # algo.distill.mode=loss: the reverse KL as a term
+            loss = loss + distill_loss(
+                self.acfg.distill,
+                out.logprobs,
+                self._step_teacher[idx],
+                m,
+                agg=self.acfg.loss_agg,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                max_len=self.max_len,
+            )
         if grad:
             with span("backward", cat="train"):
                 loss.backward()
@@ -569,7 +629,8 @@ class Actor:
         if (
             not self.skips_dead_backward
             or self.acfg.entropy_coef != 0
-            or (self.ref is not None and not self.acfg.kl.as_reward)
+            or (self.acfg.kl.coef > 0 and not self.acfg.kl.as_reward)
+            or (self.teacher is not None and self.acfg.distill.mode == "loss")
             or not isinstance(self.acfg.policy_loss, str)
             or self.acfg.policy_loss not in algo.POLICY_LOSSES
         ):

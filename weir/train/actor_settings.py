@@ -32,6 +32,14 @@ class ActorSettings:
     temperature: float = 1.0
     total_steps: int = 1
     max_response_tokens: int = 256
+    teacher: str | None = None
+    """`algo.distill.teacher` with a `tiny:` model resolved to its directory (`weir.train.teacher`)."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the actor keeps a frozen copy of the initial policy: for the KL term, or as the
+        distillation teacher."""
+        return self.algo.kl.coef > 0 or self.teacher == "reference"
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorSettings:
@@ -45,6 +53,7 @@ class ActorSettings:
             temperature=cfg.rollout.temperature or 1.0,
             total_steps=max(1, policy_steps(cfg) * cfg.train.mini_batches * cfg.train.epochs),
             max_response_tokens=longest,
+            teacher=cfg.algo.distill.teacher,
         )
 
 
