@@ -198,6 +198,17 @@ class Config(Section):
                 "weir's full-vocabulary log_softmax(logits / T): set rollout.top_p=1.0 and "
                 "rollout.top_k=0, or use engine.type=torch"
             )
+        if self.algo.routing_replay:
+            why = {
+                "vllm": "weir streams vLLM's /v1/completions, which returns no routed experts (vLLM "
+                "returns them from /inference/v1/generate with --enable-return-routed-experts, "
+                "which weir does not use)",
+                "sglang": "SGLang returns them (--enable-return-routed-experts) but weir's SGLang "
+                "adapter, unverified against a live server, does not read them",
+            }[e]
+            raise ValueError(
+                f"algo.routing_replay with engine.type={e}: {why}; use engine.type=torch"
+            )
 
     @property
     def correction_needs_engine_logprobs(self) -> bool:

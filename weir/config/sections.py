@@ -243,6 +243,11 @@ class AlgoConfig(Section):
     """Old-policy log-probs: recomputed by the trainer before the update, or the engine's."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    routing_replay: bool = False
+    """Routing replay (R3) for mixture-of-experts models (Qwen3-MoE, GPT-OSS, DeepSeek-V3): the
+    built-in engine records the experts every MoE layer picks for each prompt and generated token,
+    and the trainer's forwards (old, new and reference log-probs) use them instead of their own
+    routers' picks, with the gate weights recomputed from the trainer's router logits (docs/models.md)."""
     behavior_logprobs: Literal["sampled", "full"] = "sampled"
     """The behaviour policy that algo.correction and decoupled PPO weigh against when
     rollout.top_k / rollout.top_p truncate sampling: `sampled`, the log-probs under the truncated,

@@ -265,6 +265,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
         num_threads=cfg.loop.engine_threads if concurrent else None,
+        record_routing=cfg.algo.routing_replay,
         **kv_options(cfg.engine),
     )
     if cfg.engine.process and cfg.engine.replicas > 1:

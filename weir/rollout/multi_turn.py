@@ -132,6 +132,7 @@ async def run_episode(
     counts = dict.fromkeys(COUNTERS, 0)
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
     prompt_ids: list[int] = []
+    routed = None  # the last turn's recorded routing: the conversation it ran (algo.routing_replay)
     try:
         first = await _env_reset(env, row)
         prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
@@ -149,6 +150,7 @@ async def run_episode(
             )
             (c,) = await ctx.engine.generate(prompt_ids + ids, params)
             _append(ids, mask, logprobs, versions, c)
+            routed = c.routed_experts
             behavior += c.logprobs if c.sampled_logprobs is None else c.sampled_logprobs
             truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
@@ -197,6 +199,7 @@ async def run_episode(
         index=index,
         row=row,
         response_text=final_text,
+        routed_experts=routed,
     )
     model_turns = sum(t["role"] == "assistant" for t in turns)
     sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weir import algo
+from weir.data.moe_routing import Routes, install_routing
 from weir.telemetry.timeline import span
 from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
 from weir.train.batch import TrainBatch
@@ -105,6 +106,10 @@ class Actor:
         self.correction = correction_settings(self.acfg.correction)
         kl = self.acfg.kl
         self.ref = self._reference(model) if settings.needs_reference else None
+        # algo.routing_replay: the policy's (and reference's) forwards replay the engine's routing
+        self.routing = install_routing(self.model) if self.acfg.routing_replay else None
+        if self.routing is not None and self.ref is not None:
+            install_routing(self.ref)
         self.teacher = make_teacher(self)
         if kl.adaptive_target is not None:
             self.kl_ctl = algo.AdaptiveKLController(
@@ -145,6 +150,13 @@ class Actor:
                 shared_prompts=self.shares_prompts,
                 compute_dtype=self.precision.compute_dtype,
             )
+
+    def _routes(self, batch: TrainBatch, idx: list[int]) -> Routes | None:
+        """The engine's recorded routing of rows `idx`, to replay (None: `algo.routing_replay` off)."""
+        if self.routing is None:
+            return None
+        seqs = [batch.samples[i].routed_experts for i in idx]
+        return Routes(seqs, self.routing.layers, self.routing.top_k)
 
     def _forward(
         self, model: torch.nn.Module, seqs, lens, *, layout=None, temperature=None, **kwargs
@@ -247,9 +259,11 @@ class Actor:
         *,
         temperature: float | None = None,
         layout: Layout | None = None,
+        replay: bool = True,
     ) -> torch.Tensor:
         """(B, T) log-probs of the batch's response tokens under `model`, without gradients, on the
-        trainer's device (`temperature`, `layout`: a distillation teacher's, else the policy's)."""
+        trainer's device (`temperature`, `layout`: a distillation teacher's, else the policy's;
+        `replay`: the engine's recorded routing, with `algo.routing_replay`)."""
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
@@ -266,6 +280,7 @@ class Actor:
                     temperature=temperature,
                     pad_to=out.shape[1],
                     visions=[vis[i] for i in idx],
+                    routes=self._routes(batch, idx) if replay else None,
                 )
             out[idx] = res.logprobs
         return self._combine_rows(out)
@@ -330,6 +345,12 @@ class Actor:
         batch, old, ref, teacher, dropped = drop_nonfinite(batch, old, ref, teacher)
         mask = batch.response_mask
         stats["train/nonfinite_logprob_samples"] = float(dropped)
+        if (
+            self.routing is not None
+        ):  # samples the engine recorded no routing for route by themselves
+            stats["routing/unrecorded_samples"] = float(
+                sum(s.routed_experts is None for s in batch.samples)
+            )
         if not mask.any():  # every sample had a non-finite log-prob: skip the step, counted
             self.skipped_steps += 1
             return {
@@ -551,6 +572,7 @@ class Actor:
                 entropy_grad=self.acfg.entropy_coef != 0,
                 pad_to=width,
                 visions=[vis[i] for i in idx],
+                routes=self._routes(batch, idx),
             )
         m = mask[idx]
         finite = finite_forward(out, m)

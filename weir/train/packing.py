@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 
 from weir.config.devices import rounding_tolerance
+from weir.data.moe_routing import Routes, replaying
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.train.precision import compute_device
@@ -200,11 +201,14 @@ def response_logprobs(
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
     one_pass: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
 
     `one_pass` (the `prefix` layout on FSDP ranks): exactly two root forwards per call, so that
-    every rank's collectives stay in step (see `prefix_response_logprobs`).
+    every rank's collectives stay in step (see `prefix_response_logprobs`). `routes`: the
+    engine's recorded routing of each sequence, replayed in every forward (an MoE model with
+    `algo.routing_replay`; `weir.data.moe_routing`).
 
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
@@ -223,6 +227,7 @@ def response_logprobs(
                 pad_to=pad_to,
                 chunk_size=chunk_size,
                 one_pass=one_pass,
+                routes=routes,
             )
     fn = {"packed": packed_response_logprobs, "padded": padded_response_logprobs}[layout]
     return fn(
@@ -235,6 +240,7 @@ def response_logprobs(
         pad_to=pad_to,
         chunk_size=chunk_size,
         visions=visions,
+        routes=routes,
     )
 
 
@@ -265,6 +271,7 @@ def packed_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module docstring)."""
     device = compute_device(model)
@@ -275,7 +282,11 @@ def packed_response_logprobs(
     if vm is not None:  # even without images: the 1-D text positions keep the sequences apart
         extra = vm.packed_inputs(sequences, visions or [None] * len(sequences))
     keep_idx = torch.tensor(keep, device=device)
-    out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
+    replay = None
+    if routes is not None:
+        replay = torch.cat([routes.span(i, 0, len(s)) for i, s in enumerate(sequences)])
+    with replaying(None if replay is None else replay.to(device)):
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
     logp, ent = token_stats(
         out.logits[0],
         input_ids[0, keep_idx + 1],
@@ -301,6 +312,7 @@ def padded_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `padded` layout: one left-padded row per sequence.
 
@@ -320,13 +332,17 @@ def padded_response_logprobs(
         if vm is None:
             raise ValueError("sequences with images for a text-only model")
         extra, _ = vm.padded_inputs(sequences, visions, width)
-    out = model(
-        input_ids=ids,
-        attention_mask=attn,
-        use_cache=False,
-        logits_to_keep=r + 1,
-        **extra,
-    )
+    replay = None
+    if routes is not None:
+        replay = routes.left_padded([len(s) for s in sequences], width).to(device)
+    with replaying(replay):
+        out = model(
+            input_ids=ids,
+            attention_mask=attn,
+            use_cache=False,
+            logits_to_keep=r + 1,
+            **extra,
+        )
     logits = out.logits  # (b, r + 1, V): positions width - r - 1 ... width - 1
     targets = torch.cat([ids[:, width - r :], torch.zeros_like(ids[:, :1])], dim=1)
     logp, ent = token_stats(

@@ -52,8 +52,14 @@ class ModelTeacher:
         self.actor, self.model, self.layout, self.temperature = actor, model, layout, temperature
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        # the reference replays the policy's recorded routing (its architecture); another teacher
+        # routes by itself
         return self.actor.logprobs(
-            self.model, batch, temperature=self.temperature, layout=self.layout
+            self.model,
+            batch,
+            temperature=self.temperature,
+            layout=self.layout,
+            replay=self.model is self.actor.ref,
         )
 
 
