@@ -4,8 +4,9 @@
 
 1. The teacher: weir's `tiny:small` model (4x the parameters of the student's `tiny:tiny`),
    SFT on correct answers of the task (examples/arithmetic_quick.yaml with sft corrupt 0).
-2. Per seed, the student: `tiny:tiny` after the quick demo's SFT on answers of which 70% are wrong
-   (last digit off by one), the same starting point for both methods.
+2. Per seed, the student: `tiny:tiny` after the quick demo's SFT on answers of which `--corrupt`
+   (default 95%) are wrong (last digit off by one): it samples a right answer rarely, so the 0/1
+   reward is sparse. The same starting point for both methods.
 3. From it, `--steps` RL steps each (32 prompts x 8 samples a step, lr 5e-5): GRPO from the sparse
    0/1 reward, and distillation (`algo.distill.teacher=<the teacher>`, reward_weight 0: the reward
    is then only measured). The same prompts, the same seeds.
@@ -45,8 +46,16 @@ def train_teacher(out: Path) -> tuple[str, float]:
     return path, evals[0]["eval/accuracy"]
 
 
-def student(out: Path, seed: int) -> str:
-    cfg = load_config(QUICK, [*BASE, f"run.seed={seed}", f"run.dir={out / 'sft'}"])
+def student(out: Path, seed: int, corrupt: float) -> str:
+    cfg = load_config(
+        QUICK,
+        [
+            *BASE,
+            f"run.seed={seed}",
+            f"sft.task_options.corrupt={corrupt}",
+            f"run.dir={out / 'sft'}",
+        ],
+    )
     return str(run_sft(cfg))
 
 
@@ -103,6 +112,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--window", type=int, default=5)
+    ap.add_argument(
+        "--corrupt", type=float, default=0.95, help="share of wrong answers in the student's SFT"
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     teacher, teacher_acc = train_teacher(args.out / "teacher")
@@ -113,7 +125,7 @@ def main() -> None:
     }
     results: dict[str, list[dict]] = {m: [] for m in methods}
     for seed in args.seeds:
-        start = student(args.out / f"student_s{seed}", seed)
+        start = student(args.out / f"student_s{seed}", seed, args.corrupt)
         for name, extra in methods.items():
             tag = "grpo" if not extra else "distill"
             r = rl(args.out / f"{tag}_s{seed}", start, seed, args.steps, args.eval_every, extra)

@@ -8,7 +8,6 @@ the gradient does not depend on how it was split into micro-batches.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import defaultdict
@@ -20,19 +19,17 @@ import torch
 from weir import algo
 from weir.data.moe_routing import Routes, install_routing
 from weir.telemetry.timeline import span
+from weir.train.actor_hooks import ProcessHooks
 from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
 from weir.train.batch import TrainBatch
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import (
     Layout,
-    choose_layout,
-    micro_batches,
     prefix_refusal,
     prefix_refused_unprobed,
     response_logprobs,
 )
-from weir.train.precision import Precision
 from weir.train.step_checks import (
     add_loss_metrics,
     drop_nonfinite,
@@ -47,8 +44,9 @@ if TYPE_CHECKING:
     from weir.train.critic import Critic
 
 
-class Actor:
-    """Policy model, optimizer and schedule, plus an optional frozen reference for KL."""
+class Actor(ProcessHooks):
+    """Policy model, optimizer and schedule, plus an optional frozen reference for KL and a
+    distillation teacher."""
 
     offload_in_optimizer = True
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
@@ -124,33 +122,6 @@ class Actor:
             self.acfg, self.advantage_fn, self.loss_fn, self.max_len, self.loss_options
         )
 
-    # -- data-parallel hooks: one process trains everything; weir.train.sharded_actor overrides them --
-
-    def _precision(self, model: torch.nn.Module) -> Precision:
-        """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`
-        applied with autocast (a no-op when it is not narrower than the parameters)."""
-        p = next(model.parameters())
-        compute = Precision.from_config(self.tcfg, device=p.device).compute_dtype
-        if p.dtype == torch.bfloat16:
-            compute = torch.bfloat16
-        return Precision(p.device, p.dtype, compute)
-
-    @property
-    def layout(self) -> Layout:
-        """The micro-batch layout `train.packing` resolved to (`weir.train.packing.choose_layout`)."""
-        if self._layout is None:
-            self._layout = self._choose_layout()
-        return self._layout
-
-    def _choose_layout(self) -> Layout:
-        with self.precision.autocast():
-            return choose_layout(
-                self.model,
-                self.tcfg.packing,
-                shared_prompts=self.shares_prompts,
-                compute_dtype=self.precision.compute_dtype,
-            )
-
     def _routes(self, batch: TrainBatch, idx: list[int]) -> Routes | None:
         """The engine's recorded routing of rows `idx`, to replay (None: `algo.routing_replay` off)."""
         if self.routing is None:
@@ -174,74 +145,6 @@ class Actor:
                 one_pass=self.prefix_one_pass,
                 **kwargs,
             )
-
-    def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The frozen reference policy for KL: a copy of the initial model."""
-        return copy.deepcopy(model).eval().requires_grad_(False)
-
-    def _load_teacher(self, path: str) -> torch.nn.Module:
-        """A distillation teacher from a model directory, frozen, in the policy's device and dtype."""
-        from weir.train.model import load_model
-
-        teacher, _ = load_model(path, self.precision.param_dtype, self.device)
-        return teacher.eval().requires_grad_(False)
-
-    @property
-    def is_first_rank(self) -> bool:
-        """Whether this process is the one that talks to the outside (a served teacher)."""
-        return True
-
-    def _from_first_rank(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `rows` on every rank (one process: `rows` itself)."""
-        return rows
-
-    def _micro_batches(
-        self,
-        indices: list[int],
-        seqs: list[list[int]],
-        lens: list[int] | None = None,
-        layout: Layout | None = None,
-    ) -> list[list[int]]:
-        """The micro-batches (lists of row indices) this process runs for rows `indices`
-        (`lens`: every row's response length, which lets the `prefix` layout group shared prompts).
-
-        An empty list is a padding micro-batch: other ranks have more, and collectives must stay
-        in step (see `_idle_pass`).
-        """
-        mine = [seqs[i] for i in indices]
-        return [
-            [indices[j] for j in local]
-            for local in micro_batches(
-                [len(s) for s in mine],
-                self.tcfg.micro_batch_tokens,
-                layout or self.layout,
-                sequences=mine,
-                response_lengths=None if lens is None else [lens[i] for i in indices],
-            )
-        ]
-
-    def _idle_pass(
-        self, model: torch.nn.Module, *, backward: bool, layout: Layout | None = None
-    ) -> None:
-        """Run a padding micro-batch (a no-op for one process)."""
-
-    def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows computed here, zeros elsewhere -> the rows of every rank."""
-        return rows
-
-    def _settle(self) -> None:
-        """Put the parameters back in their resting state after forwards without a backward."""
-
-    def _all_finite(self, finite: bool) -> bool:
-        """Whether every rank's micro-batch was finite (so that all ranks restart a fused step
-        together, or none does)."""
-        return finite
-
-    def _reduce_metrics(
-        self, sums: dict[str, float], peaks: dict[str, float]
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """Per-process metric sums and maxima -> those of all ranks."""
-        return sums, peaks
 
     @property
     def needs_recompute(self) -> bool:
