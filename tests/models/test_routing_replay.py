@@ -233,3 +233,17 @@ def test_a_run_replays_what_its_engine_recorded(tmp_path):
     assert len(steps) == 2
     assert all(h["routing/unrecorded_samples"] == 0 for h in steps)
     assert all(h["mismatch/abs_logp_diff"] < EXACT for h in steps)
+
+
+def test_a_router_that_does_not_run_is_an_error_not_a_silent_forward():
+    """A fused MoE kernel that bypasses the router module (as a hub kernel may for GPT-OSS on a GPU)
+    would leave its layer on the trainer's own routing: the replay says so."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(arch_config("qwen3_moe")).eval()
+    spec = install_routing(model)
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    routers[1]._forward_hooks.clear()  # layer 1's router "bypassed"
+    routes = torch.zeros(5, spec.layers, spec.top_k, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"MoE layers \[1\] did not run"), torch.no_grad():
+        with replaying(routes):
+            model(input_ids=torch.randint(5, 200, (1, 5)))

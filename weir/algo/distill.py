@@ -7,7 +7,10 @@ q_t(v)]``, is estimated from the one token the student sampled there:
     k_t = log pi(y_t | y_<t) - log q(y_t | y_<t)            (unbiased: y_t ~ pi_t)
 
 the estimator of Tinker's cookbook (``-k_t`` is its per-token advantage, with no sum over later
-tokens) and of TRL's GKD with on-policy samples and ``beta = 1``. Its REINFORCE gradient,
+tokens). TRL's GKD (``lmbda = 1``, ``beta = 1``) instead differentiates the exact per-position
+reverse KL over the whole vocabulary, which needs the teacher's full logits (the same vocabulary,
+the teacher beside the student); its gradient at each position is the expectation of this
+estimator's over the token sampled there. The estimator's REINFORCE gradient,
 
     g = E_{y ~ pi}[ sum_t k_t grad log pi(y_t | y_<t) ],
 

@@ -115,6 +115,7 @@ class _State(threading.local):
     mode: str | None = None
     recorder: Recorder | None = None
     indices: Tensor | None = None
+    seen: set[int] = set()  # noqa: RUF012  (replaced per replay; the layers whose router ran)
 
 
 _STATE = _State()
@@ -145,6 +146,7 @@ def _hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
     if state.mode == "record":
         state.recorder.picks[layer] = own.detach()  # type: ignore[union-attr]
         return None
+    state.seen.add(layer)
     rec = state.indices[:, layer]  # type: ignore[index]
     if rec.shape[0] != own.shape[0]:
         raise RuntimeError(
@@ -201,12 +203,23 @@ def recording(spec: RoutingSpec) -> Iterator[Recorder]:
         yield rec
 
 
-def replaying(indices: Tensor | None):
+@contextlib.contextmanager
+def replaying(indices: Tensor | None) -> Iterator[None]:
     """Replay `indices` ``[tokens, layers, k]`` (int64; -1 rows: the router's own pick) in the one
-    forward run inside; None replays nothing."""
+    forward run inside; None replays nothing. A forward in which a router did not run (a fused
+    kernel that bypasses the router module) is an error, not a silent forward on its own routing."""
     if indices is None:
-        return contextlib.nullcontext()
-    return _set("replay", None, indices)
+        yield
+        return
+    _STATE.seen = set()
+    with _set("replay", None, indices):
+        yield
+    missing = sorted(set(range(indices.shape[1])) - _STATE.seen)
+    if missing:
+        raise RuntimeError(
+            f"routing replay: the routers of MoE layers {missing} did not run in the forward (a "
+            "fused MoE kernel bypasses them?); the replay would not apply there"
+        )
 
 
 def checkpoint_context() -> tuple[
