@@ -59,11 +59,14 @@ def student(out: Path, seed: int, corrupt: float) -> str:
     return str(run_sft(cfg))
 
 
-def rl(out: Path, start: str, seed: int, steps: int, every: int, extra: list[str]) -> dict:
+def rl(
+    out: Path, start: str, seed: int, steps: int, every: int, extra: list[str], task: list[str]
+) -> dict:
     cfg = load_config(
         QUICK,
         [
             *BASE,
+            *task,
             f"run.seed={seed}",
             f"run.steps={steps}",
             f"run.eval_every={every}",
@@ -112,12 +115,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--digits", type=int, default=2, help="operand digits of the additions")
+    ap.add_argument("--teacher-rows", type=int, default=8000)
+    ap.add_argument("--teacher-epochs", type=int, default=3)
+    ap.add_argument("--student-rows", type=int, default=3000)
+    ap.add_argument("--student-epochs", type=int, default=2)
     ap.add_argument(
-        "--corrupt", type=float, default=0.95, help="share of wrong answers in the student's SFT"
+        "--corrupt", type=float, default=0.0, help="share of wrong answers in the student's SFT"
     )
     args = ap.parse_args()
     t0 = time.perf_counter()
-    teacher, teacher_acc = train_teacher(args.out / "teacher")
+    task = [
+        f"data.task_options.digits={args.digits}",
+        f"rollout.max_new_tokens={args.digits + 3}",
+    ]
+    teacher, teacher_acc = train_teacher(
+        args.out / "teacher", task, args.teacher_rows, args.teacher_epochs
+    )
     print(f"teacher: {teacher}, greedy held-out accuracy {teacher_acc:.1%}", flush=True)
     methods = {
         "GRPO (sparse reward)": [],
@@ -125,10 +139,17 @@ def main() -> None:
     }
     results: dict[str, list[dict]] = {m: [] for m in methods}
     for seed in args.seeds:
-        start = student(args.out / f"student_s{seed}", seed, args.corrupt)
+        sft = [
+            f"sft.rows={args.student_rows}",
+            f"sft.epochs={args.student_epochs}",
+            f"sft.task_options.corrupt={args.corrupt}",
+        ]
+        start = student(args.out / f"student_s{seed}", seed, task, sft)
         for name, extra in methods.items():
             tag = "grpo" if not extra else "distill"
-            r = rl(args.out / f"{tag}_s{seed}", start, seed, args.steps, args.eval_every, extra)
+            r = rl(
+                args.out / f"{tag}_s{seed}", start, seed, args.steps, args.eval_every, extra, task
+            )
             results[name].append(r)
             last = r["evals"][-1][1]
             print(

@@ -32,7 +32,16 @@ from weir.train.batch import TrainBatch
 if TYPE_CHECKING:
     from weir.train.actor import Actor
 
-__all__ = ["EndpointTeacher", "ModelTeacher", "TeacherError", "make_teacher", "is_endpoint"]
+__all__ = [
+    "EndpointTeacher",
+    "ModelTeacher",
+    "TeacherError",
+    "check_teacher_tokenizer",
+    "distill_advantages",
+    "distill_loss",
+    "is_endpoint",
+    "make_teacher",
+]
 
 
 class TeacherError(ValueError):
