@@ -247,3 +247,35 @@ def test_a_router_that_does_not_run_is_an_error_not_a_silent_forward():
     with pytest.raises(RuntimeError, match=r"MoE layers \[1\] did not run"), torch.no_grad():
         with replaying(routes):
             model(input_ids=torch.randint(5, 200, (1, 5)))
+
+
+def test_a_continued_conversation_keeps_its_cached_prefix_routing():
+    """Multi-turn: the next turn reuses the finished turn's KV (the prefix cache); its record starts
+    with the routing of that KV, not a new one, and covers the whole conversation."""
+    _, engine_model = _pair("qwen3_moe")
+    engine = TorchEngine(
+        engine_model, eos_token_ids=[1], pad_token_id=0, seed=0, record_routing=True
+    )
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        probe = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+        (draft,) = engine.generate_many([prompt], probe)[0]
+        # the same draw again, now ending with a stop token (kept only then) and keeping its KV
+        stop = SamplingParams(
+            max_new_tokens=6,
+            temperature=1.0,
+            seed=5,
+            stop_token_ids=[draft.token_ids[2]],
+            keep_kv=True,
+        )
+        (first,) = engine.generate_many([prompt], stop)[0]
+        assert first.finish_reason == "stop"
+        turn2 = prompt + first.token_ids + [20, 21, 22]
+        (second,) = engine.generate_many([turn2], probe)[0]
+        reused = engine.stats()["prefix_reused_tokens"]
+    finally:
+        engine.close()
+    assert reused > 0
+    assert second.routed_experts.shape[0] == len(turn2) + len(second.token_ids) - 1
+    n = first.routed_experts.shape[0]
+    assert torch.equal(second.routed_experts[:n], first.routed_experts)
