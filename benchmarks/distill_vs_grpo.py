@@ -1,20 +1,21 @@
-"""On-policy distillation against GRPO at equal steps, on one-digit addition with weir's tiny model.
+"""On-policy distillation against GRPO at equal steps, on addition with weir's tiny models.
 
     python benchmarks/distill_vs_grpo.py --out runs/distill --seeds 0 1 2 --steps 20
 
-1. The teacher: weir's `tiny:small` model (4x the parameters of the student's `tiny:tiny`),
-   SFT on correct answers of the task (examples/arithmetic_quick.yaml with sft corrupt 0).
-2. Per seed, the student: `tiny:tiny` after the quick demo's SFT on answers of which `--corrupt`
-   (default 95%) are wrong (last digit off by one): it samples a right answer rarely, so the 0/1
-   reward is sparse. The same starting point for both methods.
-3. From it, `--steps` RL steps each (32 prompts x 8 samples a step, lr 5e-5): GRPO from the sparse
-   0/1 reward, and distillation (`algo.distill.teacher=<the teacher>`, reward_weight 0: the reward
-   is then only measured). The same prompts, the same seeds.
+1. The teacher: weir's `tiny:small` model (4x the parameters of the student's `tiny:tiny`), SFT
+   on correct answers (`--teacher-rows` x `--teacher-epochs`).
+2. Per seed, the student: `tiny:tiny` after a short SFT (`--student-rows` x `--student-epochs`, a
+   share `--corrupt` of its targets wrong by one in the last digit): it rarely samples an answer
+   right in every digit, so the 0/1 reward is sparse. The same starting point for both methods.
+3. From it, `--steps` RL steps each (32 prompts x 8 samples a step, lr 5e-5; the settings of
+   examples/arithmetic_quick.yaml but `--digits`-digit operands): GRPO from the 0/1 reward, and
+   distillation (`algo.distill.teacher=<the teacher>`, reward_weight 0: the reward is then only
+   measured). The same prompts, the same seeds.
 
 It prints, as markdown tables for docs/distillation.md: the mean training reward (fraction of
 correct samples) in windows of steps, and the greedy held-out accuracy at every evaluation, as
-the mean over seeds with the range. Figures depend on the machine only through time; the numbers
-are deterministic per seed (run.deterministic).
+the mean over seeds with the range. The numbers are deterministic per seed (run.deterministic);
+the machine only changes the time.
 """
 
 from __future__ import annotations
@@ -32,30 +33,22 @@ QUICK = Path(__file__).resolve().parents[1] / "examples" / "arithmetic_quick.yam
 BASE = ["run.resume=never", "run.deterministic=true", "telemetry.console=false"]
 
 
-def train_teacher(out: Path) -> tuple[str, float]:
+def train_teacher(out: Path, task: list[str], rows: int, epochs: int) -> tuple[str, float]:
     """SFT `tiny:small` on correct answers; its directory and greedy held-out accuracy."""
+    sft = [f"sft.rows={rows}", f"sft.epochs={epochs}", "sft.task_options.corrupt=0.0"]
     cfg = load_config(
-        QUICK,
-        [*BASE, "model.path=tiny:small", "sft.task_options.corrupt=0.0", f"run.dir={out / 'sft'}"],
+        QUICK, [*BASE, *task, *sft, "model.path=tiny:small", f"run.dir={out / 'sft'}"]
     )
     path = str(run_sft(cfg))
     check = load_config(
-        QUICK, [*BASE, f"model.path={path}", "run.steps=0", f"run.dir={out / 'eval'}"]
+        QUICK, [*BASE, *task, f"model.path={path}", "run.steps=0", f"run.dir={out / 'eval'}"]
     )
     evals = run_sync(check).evals
     return path, evals[0]["eval/accuracy"]
 
 
-def student(out: Path, seed: int, corrupt: float) -> str:
-    cfg = load_config(
-        QUICK,
-        [
-            *BASE,
-            f"run.seed={seed}",
-            f"sft.task_options.corrupt={corrupt}",
-            f"run.dir={out / 'sft'}",
-        ],
-    )
+def student(out: Path, seed: int, task: list[str], sft: list[str]) -> str:
+    cfg = load_config(QUICK, [*BASE, *task, *sft, f"run.seed={seed}", f"run.dir={out / 'sft'}"])
     return str(run_sft(cfg))
 
 
@@ -113,15 +106,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/distill_vs_grpo"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--window", type=int, default=5)
-    ap.add_argument("--digits", type=int, default=2, help="operand digits of the additions")
-    ap.add_argument("--teacher-rows", type=int, default=8000)
-    ap.add_argument("--teacher-epochs", type=int, default=3)
+    ap.add_argument("--digits", type=int, default=1, help="operand digits of the additions")
+    ap.add_argument("--teacher-rows", type=int, default=3000)
+    ap.add_argument("--teacher-epochs", type=int, default=4)
     ap.add_argument("--student-rows", type=int, default=3000)
-    ap.add_argument("--student-epochs", type=int, default=2)
+    ap.add_argument("--student-epochs", type=int, default=4)
     ap.add_argument(
-        "--corrupt", type=float, default=0.0, help="share of wrong answers in the student's SFT"
+        "--corrupt", type=float, default=0.95, help="share of wrong answers in the student's SFT"
     )
     args = ap.parse_args()
     t0 = time.perf_counter()
