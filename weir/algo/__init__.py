@@ -22,6 +22,14 @@ Typical step::
 from .advantages import ADVANTAGES, AdvantageResult, compute_advantages, masked_whiten
 from .aggregation import AGG_MODES, aggregate_loss
 from .correction import CORRECTION_MODES, CorrectionResult, rollout_correction
+from .correction_presets import (
+    CORRECTION_PRESETS,
+    RECOMMENDABLE,
+    mismatch_diagnostics,
+    preset_settings,
+    recommend_preset,
+)
+from .distill import reverse_kl, reverse_kl_advantages, reverse_kl_loss
 from .entropy import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .kl import (
     KL_KINDS,
@@ -39,6 +47,8 @@ __all__ = [
     "ADVANTAGES",
     "AGG_MODES",
     "CORRECTION_MODES",
+    "CORRECTION_PRESETS",
+    "RECOMMENDABLE",
     "KL_KINDS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
@@ -55,8 +65,14 @@ __all__ = [
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_whiten",
+    "mismatch_diagnostics",
     "policy_loss_terms",
+    "preset_settings",
+    "recommend_preset",
     "resolve",
+    "reverse_kl",
+    "reverse_kl_advantages",
+    "reverse_kl_loss",
     "rollout_correction",
     "token_logprobs_and_entropy",
     "ValueLoss",

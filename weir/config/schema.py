@@ -33,6 +33,7 @@ from weir.config.sections import (  # noqa: F401  (re-exported: the sections liv
     CorrectionConfig,
     CriticConfig,
     DataConfig,
+    DistillConfig,
     EngineConfig,
     EvalConfig,
     KLConfig,
@@ -157,7 +158,7 @@ class Config(Section):
         """Corrections against the full-vocabulary log-probs of a truncated sampler are biased."""
         r, a = self.rollout, self.algo
         truncated = r.top_p < 1.0 or r.top_k > 0
-        weighs = a.correction.mode != "none" or a.policy_loss == "decoupled_ppo"
+        weighs = a.correction.active or a.policy_loss == "decoupled_ppo"
         if truncated and weighs and a.behavior_logprobs == "full":
             warnings.warn(
                 f"algo.behavior_logprobs=full with rollout.top_p={r.top_p} / top_k={r.top_k}: "
@@ -218,10 +219,21 @@ class Config(Section):
                 "weir's full-vocabulary log_softmax(logits / T): set rollout.top_p=1.0 and "
                 "rollout.top_k=0, or use engine.type=torch"
             )
+        if self.algo.routing_replay:
+            why = {
+                "vllm": "weir streams vLLM's /v1/completions, which returns no routed experts (vLLM "
+                "returns them from /inference/v1/generate with --enable-return-routed-experts, "
+                "which weir does not use)",
+                "sglang": "SGLang returns them (--enable-return-routed-experts) but weir's SGLang "
+                "adapter, unverified against a live server, does not read them",
+            }[e]
+            raise ValueError(
+                f"algo.routing_replay with engine.type={e}: {why}; use engine.type=torch"
+            )
 
     @property
     def correction_needs_engine_logprobs(self) -> bool:
-        return self.algo.correction.mode != "none"
+        return self.algo.correction.active
 
     @model_validator(mode="after")
     def _check_separate_policies(self) -> Config:

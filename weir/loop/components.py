@@ -41,6 +41,7 @@ from weir.train.critic import Critic, CriticSettings, load_value_model
 from weir.train.lora import save_final_model
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
+from weir.train.teacher import check_teacher_tokenizer, is_endpoint
 
 
 @dataclass
@@ -273,6 +274,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
         num_threads=cfg.loop.engine_threads if concurrent else None,
+        record_routing=cfg.algo.routing_replay,
         **kv_options(cfg.engine),
     )
     if cfg.engine.process and cfg.engine.replicas > 1:
@@ -385,6 +387,22 @@ def driver_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
     return meta_model(run_model_path(cfg, run_dir), dtype)
 
 
+def resolve_teacher(cfg: Config, run_dir: Path) -> None:
+    """`algo.distill.teacher=tiny:<size>`: build it next to the run directory (seed
+    model.init_seed + 1, so that it is not the policy's own initialisation) and name its directory;
+    a teacher directory must share the policy's tokenizer (`weir.train.teacher`)."""
+    d = cfg.algo.distill
+    if d.teacher is None or d.teacher == "reference" or is_endpoint(d.teacher):
+        return
+    if d.teacher.startswith("tiny:"):
+        d.teacher = resolve_model_path(
+            d.teacher, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed + 1
+        )
+    from transformers import AutoTokenizer
+
+    check_teacher_tokenizer(d.teacher, AutoTokenizer.from_pretrained(run_model_path(cfg, run_dir)))
+
+
 def run_model_path(cfg: Config, run_dir: Path) -> str:
     """The model directory (a `tiny:` model is built next to the run directory once)."""
     return resolve_model_path(
@@ -403,6 +421,7 @@ def build(
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
         check_model_path(cfg.model.path)
+    resolve_teacher(cfg, run_dir)
     ray_parts = policies = None
     if cfg.cluster.type == "ray":  # the ranks and replicas load the weights, never the driver
         model, tokenizer = driver_model(cfg, run_dir)

@@ -147,6 +147,7 @@ async def run_episode(
     prompt_ids: list[int] = []
     timeout = getattr(agent, "env_timeout_s", None)
     worker = _EnvThread()  # the episode's sync env calls, in order, on one thread of their own
+    routed = None  # the last turn's recorded routing: the conversation it ran (algo.routing_replay)
     try:
         first = await _env_reset(env, row, timeout, worker)
         prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
@@ -164,6 +165,7 @@ async def run_episode(
             )
             (c,) = await ctx.engine.generate(prompt_ids + ids, params)
             _append(ids, mask, logprobs, versions, c)
+            routed = c.routed_experts
             behavior += c.logprobs if c.sampled_logprobs is None else c.sampled_logprobs
             truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
@@ -226,6 +228,7 @@ async def run_episode(
         index=index,
         row=row,
         response_text=final_text,
+        routed_experts=routed,
     )
     model_turns = sum(t["role"] == "assistant" for t in turns)
     sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)

@@ -8,7 +8,6 @@ the gradient does not depend on how it was split into micro-batches.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import defaultdict
@@ -18,38 +17,40 @@ from typing import TYPE_CHECKING
 import torch
 
 from weir import algo
+from weir.data.moe_routing import Routes, install_routing
 from weir.telemetry.timeline import span
-from weir.train.actor_settings import ActorSettings, check_algo_options
+from weir.train.actor_hooks import ProcessHooks
+from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
 from weir.train.batch import TrainBatch
 from weir.train.fuse import apply_fusion
-from weir.train.layout_cost import LayoutChoice, layout_choice
+from weir.train.layout_cost import LayoutChoice
 from weir.train.memory_plan import planned_train_config
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import (
     Layout,
-    exact_layouts,
-    micro_batches,
     prefix_refusal,
     prefix_refused_unprobed,
     response_logprobs,
 )
-from weir.train.precision import Precision
 from weir.train.response_rows import check_kernel, logprob_kernel, to_device
 from weir.train.step_checks import (
     MicroBatchRecords,
     drop_nonfinite,
     finite_flag,
     mismatch,
+    mismatch_spread,
     warn_over_max_len,
 )
+from weir.train.teacher import distill_advantages, distill_loss, make_teacher
 
 if TYPE_CHECKING:
     from weir.train.critic import Critic
 
 
-class Actor:
-    """Policy model, optimizer and schedule, plus an optional frozen reference for KL."""
+class Actor(ProcessHooks):
+    """Policy model, optimizer and schedule, plus an optional frozen reference for KL and a
+    distillation teacher."""
 
     offload_in_optimizer = True
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
@@ -107,8 +108,14 @@ class Actor:
         self.loss_fn = algo.resolve(
             self.acfg.policy_loss, algo.POLICY_LOSSES, kind="algo.policy_loss"
         )
+        self.correction = correction_settings(self.acfg.correction)
         kl = self.acfg.kl
-        self.ref = self._reference(model) if kl.coef > 0 else None
+        self.ref = self._reference(model) if settings.needs_reference else None
+        # algo.routing_replay: the policy's (and reference's) forwards replay the engine's routing
+        self.routing = install_routing(self.model) if self.acfg.routing_replay else None
+        if self.routing is not None and self.ref is not None:
+            install_routing(self.ref)
+        self.teacher = make_teacher(self)
         if kl.adaptive_target is not None:
             self.kl_ctl = algo.AdaptiveKLController(
                 kl.coef, kl.adaptive_target, kl.adaptive_horizon
@@ -125,132 +132,68 @@ class Actor:
             self.acfg, self.advantage_fn, self.loss_fn, self.max_len, self.loss_options
         )
 
-    # -- data-parallel hooks: one process trains everything; weir.train.sharded_actor overrides them --
+    def _routes(self, batch: TrainBatch, idx: list[int]) -> Routes | None:
+        """The engine's recorded routing of rows `idx`, to replay (None: `algo.routing_replay` off)."""
+        if self.routing is None:
+            return None
+        seqs = [batch.samples[i].routed_experts for i in idx]
+        return Routes(seqs, self.routing.layers, self.routing.top_k)
 
-    def _precision(self, model: torch.nn.Module) -> Precision:
-        """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`
-        applied with autocast (a no-op when it is not narrower than the parameters)."""
-        p = next(model.parameters())
-        compute = Precision.from_config(self.tcfg, device=p.device).compute_dtype
-        if p.dtype == torch.bfloat16:
-            compute = torch.bfloat16
-        return Precision(p.device, p.dtype, compute)
-
-    @property
-    def layouts(self) -> LayoutChoice:
-        """The exact layouts `train.packing` allows (`weir.train.packing.exact_layouts`)."""
-        if self._layouts is None:
-            self._layouts = self._choose_layouts()
-        return self._layouts
-
-    @property
-    def layout(self) -> Layout:
-        """The micro-batch layout of this step: of `layouts`, the cheapest for its lengths."""
-        return self.layouts.current
-
-    def _choose_layouts(self) -> LayoutChoice:
-        with self.precision.autocast():
-            candidates = exact_layouts(
-                self.model,
-                self.tcfg.packing,
-                shared_prompts=self.shares_prompts,
-                compute_dtype=self.precision.compute_dtype,
-                with_varlen=True,
-            )
-        return self._layout_choice(candidates)
-
-    def _layout_choice(self, candidates: list[Layout]) -> LayoutChoice:
-        # the dtype attention computes in: autocast's, or FSDP2's cast of the gathered shards
-        compute = getattr(self, "_compute", None) or self.precision.compute_dtype
-        return layout_choice(self.model, candidates, self.device, compute, self.prefix_one_pass)
-
-    def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
+    def _forward(
+        self, model: torch.nn.Module, seqs, lens, *, layout=None, temperature=None, **kwargs
+    ):
         """Response log-probs of one micro-batch in the configured layout, compute dtype and
-        log-prob kernel."""
+        log-prob kernel (or `layout` and `temperature`: a distillation teacher's)."""
         with self.precision.autocast(), logprob_kernel(self.tcfg.logprob_kernel):
             return response_logprobs(
                 model,
                 seqs,
                 lens,
-                layout=self.layout,
-                temperature=self.temperature,
+                layout=layout or self.layout,
+                temperature=self.temperature if temperature is None else temperature,
                 chunk_size=self.tcfg.logprob_chunk_tokens,
                 one_pass=self.prefix_one_pass,
                 **kwargs,
             )
-
-    def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The frozen reference policy for KL: a copy of the initial model."""
-        return copy.deepcopy(model).eval().requires_grad_(False)
-
-    def _micro_batches(
-        self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
-    ) -> list[list[int]]:
-        """The micro-batches (lists of row indices) this process runs for rows `indices`
-        (`lens`: every row's response length, which lets the `prefix` layout group shared prompts).
-
-        An empty list is a padding micro-batch: other ranks have more, and collectives must stay
-        in step (see `_idle_pass`).
-        """
-        mine = [seqs[i] for i in indices]
-        return [
-            [indices[j] for j in local]
-            for local in micro_batches(
-                [len(s) for s in mine],
-                self.tcfg.micro_batch_tokens,
-                self.layout,
-                sequences=mine,
-                response_lengths=None if lens is None else [lens[i] for i in indices],
-            )
-        ]
-
-    def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
-        """Run a padding micro-batch (a no-op for one process)."""
-
-    def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows computed here, zeros elsewhere -> the rows of every rank."""
-        return rows
-
-    def _settle(self) -> None:
-        """Put the parameters back in their resting state after forwards without a backward."""
-
-    def _all_finite(self, finite: torch.Tensor) -> torch.Tensor:
-        """Whether every rank's micro-batches were finite, as a device flag (so that all ranks
-        restart a fused step together, or none does)."""
-        return finite
-
-    def _reduce_metrics(
-        self, sums: dict[str, float], peaks: dict[str, float]
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """Per-process metric sums and maxima -> those of all ranks."""
-        return sums, peaks
 
     @property
     def needs_recompute(self) -> bool:
         return (
             self.acfg.old_logprobs == "recompute"
             or self.acfg.policy_loss == "decoupled_ppo"
-            or self.acfg.correction.mode != "none"
+            or self.correction["mode"] != "none"
         )
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: TrainBatch,
+        *,
+        temperature: float | None = None,
+        layout: Layout | None = None,
+        replay: bool = True,
+    ) -> torch.Tensor:
         """(B, T) log-probs of the batch's response tokens under `model`, without gradients, on the
-        trainer's device."""
+        trainer's device (`temperature`, `layout`: a distillation teacher's, else the policy's;
+        `replay`: the engine's recorded routing, with `algo.routing_replay`)."""
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens):
+        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens, layout):
             if not idx:
-                self._idle_pass(model, backward=False)
+                self._idle_pass(model, backward=False, layout=layout)
                 continue
             with span("logprobs", cat="train", sequences=len(idx)):
                 res = self._forward(
                     model,
                     [seqs[i] for i in idx],
                     [lens[i] for i in idx],
+                    layout=layout,
+                    temperature=temperature,
                     pad_to=out.shape[1],
                     visions=[vis[i] for i in idx],
+                    routes=self._routes(batch, idx) if replay else None,
                 )
             out[idx] = res.logprobs
         return self._combine_rows(out)
@@ -269,8 +212,8 @@ class Actor:
             self.fuses_old_logprobs
             and self.acfg.old_logprobs == "recompute"
             and self.acfg.policy_loss != "decoupled_ppo"
-            and self.acfg.correction.mode == "none"
-            and self.ref is None
+            and self.correction["mode"] == "none"
+            and self.acfg.kl.coef == 0
             and self.tcfg.epochs == 1
             and self.tcfg.mini_batches == 1
         )
@@ -307,10 +250,22 @@ class Actor:
             old = self.logprobs(self.model, batch)
         else:
             old = batch.rollout_logprobs
-        ref = self.logprobs(self.ref, batch) if self.ref is not None else None
-        batch, old, ref, dropped = drop_nonfinite(batch, old, ref)
+        ref = self.logprobs(self.ref, batch) if self.acfg.kl.coef > 0 else None
+        teacher = None
+        if self.teacher is not None:
+            with span("teacher", cat="train"):
+                t0 = time.perf_counter()
+                teacher = self.teacher.logprobs(batch)
+                stats["time/teacher"] = time.perf_counter() - t0
+        batch, old, ref, teacher, dropped = drop_nonfinite(batch, old, ref, teacher)
         mask = batch.response_mask
         stats["train/nonfinite_logprob_samples"] = float(dropped)
+        if (
+            self.routing is not None
+        ):  # samples the engine recorded no routing for route by themselves
+            stats["routing/unrecorded_samples"] = float(
+                sum(s.routed_experts is None for s in batch.samples)
+            )
         if not mask.any():  # every sample had a non-finite log-prob: skip the step, counted
             self.skipped_steps += 1
             return {
@@ -320,9 +275,12 @@ class Actor:
             }
         if self.needs_recompute and not fused:
             stats.update(mismatch(old, batch))
+            stats.update(mismatch_spread(old, self._behavior(batch), batch))
         elif self.tcfg.mini_batches > 1:
             # later mini-batches are trained after earlier updates; measure every row before any
-            stats.update(mismatch(self.logprobs(self.model, batch), batch))
+            before = self.logprobs(self.model, batch)
+            stats.update(mismatch(before, batch))
+            stats.update(mismatch_spread(before, self._behavior(batch), batch))
         if self.acfg.loss_agg == "seq-mean-token-sum-norm" and not self._warned_max_len:
             self._warned_max_len = warn_over_max_len(mask, self.max_len)
         token_rewards, weights = None, None
@@ -336,11 +294,8 @@ class Actor:
                 )
                 self.kl_ctl.update(stats["kl/ref"], len(batch))
                 stats["kl/coef"] = self.kl_ctl.value
-        if self.acfg.correction.mode != "none":
-            c = self.acfg.correction
-            corr = algo.rollout_correction(
-                old, self._behavior(batch), mask, mode=c.mode, cap=c.cap, low=c.low, high=c.high
-            )
+        if self.correction["mode"] != "none":
+            corr = algo.rollout_correction(old, self._behavior(batch), mask, **self.correction)
             weights, mask = corr.weights, corr.mask
             stats.update({f"correction/{k}": v for k, v in corr.metrics.items()})
             if not mask.any():  # the correction rejected every token: nothing to learn from
@@ -371,7 +326,13 @@ class Actor:
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
             mask = adv.mask  # samples with non-finite rewards are excluded
-        dead_rows = self._dead_rows(mask, adv.advantages)
+        advantages = adv.advantages
+        if teacher is not None:
+            advantages, distill_stats = distill_advantages(
+                self.acfg.distill, advantages, self._behavior(batch), teacher, mask
+            )
+            stats.update(distill_stats)
+        dead_rows = self._dead_rows(mask, advantages)
         dead = None if dead_rows is None else dead_rows.tolist()  # one read, not one per row
         if dead is not None:
             stats["train/dead_rows"] = sum(dead) / max(len(dead), 1)
@@ -386,6 +347,9 @@ class Actor:
         peaks: dict[str, float] = {}
         n_tokens = 0.0
         self._mismatch_sums = [0.0, 0.0, 0.0]  # |engine - trainer|, tokens, k3 (fused only)
+        self._step_teacher = teacher if self.acfg.distill.mode == "loss" else None
+        self._first_logp = torch.zeros_like(batch.rollout_logprobs)  # the first forward's rows
+        self._first_rows = torch.zeros(len(batch), device=self.device)
         for epoch in range(self.tcfg.epochs):
             order = torch.randperm(
                 len(batch), generator=torch.Generator().manual_seed(self.updates + epoch)
@@ -399,7 +363,7 @@ class Actor:
                     mask,
                     old,
                     ref,
-                    adv.advantages,
+                    advantages,
                     weights,
                     first=first,
                     dead=dead,
@@ -420,6 +384,9 @@ class Actor:
             stats["mismatch/abs_logp_diff"] = totals["diff"] / totals["tokens"]
             if fused:
                 stats["mismatch/kl"] = self._mismatch_sums[2] / totals["tokens"]
+            rows = self._combine_rows(self._first_rows)
+            first = self._combine_rows(self._first_logp)
+            stats.update(mismatch_spread(first, self._behavior(batch), batch, rows > 0))
         finite = [g for g in grad_norms if math.isfinite(g)]
         stats["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         stats["train/skipped_updates"] = float(self.skipped_updates)
@@ -530,6 +497,7 @@ class Actor:
                 entropy_grad=self.acfg.entropy_coef != 0,
                 pad_to=step.mask.shape[1],
                 visions=[vis[i] for i in idx],
+                routes=self._routes(batch, idx),
             )
         m = pick(step.mask)
         finite = finite_flag(out, m)
@@ -556,6 +524,17 @@ class Actor:
             entropy_coef=self.acfg.entropy_coef,
             **self.loss_options,
         )
+        if self._step_teacher is not None:  # algo.distill.mode=loss: the reverse KL as a term
+            loss = loss + distill_loss(
+                self.acfg.distill,
+                out.logprobs,
+                pick(self._step_teacher),
+                m,
+                agg=self.acfg.loss_agg,
+                num_tokens=step.num_tokens,
+                num_seqs=step.num_seqs,
+                max_len=self.max_len,
+            )
         if grad:
             poison = torch.where(finite, 0.0, float("nan"))
             with span("backward", cat="train"):
@@ -569,6 +548,9 @@ class Actor:
             mismatch = [((logp - behaviour) * policy).abs().sum(), policy.sum()]
             if old is None:  # the k3 KL that `mismatch` reports for a separate pass
                 mismatch.append((algo.kl_penalty(behaviour, logp, "k3") * policy).sum())
+            # the first forward's log-probs, for the ratios' spread (`mismatch_spread`)
+            self._first_logp.index_copy_(0, rows, logp.to(self._first_logp.dtype))
+            self._first_rows.index_fill_(0, rows, 1.0)
         step.records.add(finite, loss, pg, mismatch)
 
     def _dead_rows(self, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
@@ -584,7 +566,8 @@ class Actor:
         if (
             not self.skips_dead_backward
             or self.acfg.entropy_coef != 0
-            or (self.ref is not None and not self.acfg.kl.as_reward)
+            or (self.acfg.kl.coef > 0 and not self.acfg.kl.as_reward)
+            or (self.teacher is not None and self.acfg.distill.mode == "loss")
             or not isinstance(self.acfg.policy_loss, str)
             or self.acfg.policy_loss not in algo.POLICY_LOSSES
         ):

@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 
 from weir.config.devices import rounding_tolerance
+from weir.data.moe_routing import Routes, replaying
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.train.precision import compute_device
@@ -250,11 +251,14 @@ def response_logprobs(
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
     one_pass: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
 
     `one_pass` (the `prefix` layout on FSDP ranks): exactly two root forwards per call, so that
-    every rank's collectives stay in step (see `prefix_response_logprobs`).
+    every rank's collectives stay in step (see `prefix_response_logprobs`). `routes`: the
+    engine's recorded routing of each sequence, replayed in every forward (an MoE model with
+    `algo.routing_replay`; `weir.data.moe_routing`).
 
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
@@ -273,6 +277,7 @@ def response_logprobs(
                 pad_to=pad_to,
                 chunk_size=chunk_size,
                 one_pass=one_pass,
+                routes=routes,
             )
     options = dict(
         temperature=temperature,
@@ -281,6 +286,7 @@ def response_logprobs(
         pad_to=pad_to,
         chunk_size=chunk_size,
         visions=visions,
+        routes=routes,
     )
     if layout == "padded":
         return padded_response_logprobs(model, sequences, response_lengths, **options)
@@ -316,6 +322,7 @@ def packed_response_logprobs(
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
     varlen: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module
     docstring); with `varlen`, the `varlen` layout: the same row through the variable-length
@@ -331,7 +338,11 @@ def packed_response_logprobs(
         install_varlen()
         extra.update(varlen_inputs([len(s) for s in sequences], device))
     keep_idx = to_device(torch.tensor(keep), device)
-    out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
+    replay = None
+    if routes is not None:
+        replay = torch.cat([routes.span(i, 0, len(s)) for i, s in enumerate(sequences)])
+    with replaying(None if replay is None else to_device(replay, device)):
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
     logp, ent = token_stats(
         out.logits[0],
         input_ids[0, keep_idx + 1],
@@ -357,6 +368,7 @@ def padded_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `padded` layout: one left-padded row per sequence.
 
@@ -376,13 +388,17 @@ def padded_response_logprobs(
         if vm is None:
             raise ValueError("sequences with images for a text-only model")
         extra, _ = vm.padded_inputs(sequences, visions, width)
-    out = model(
-        input_ids=ids,
-        attention_mask=attn,
-        use_cache=False,
-        logits_to_keep=r + 1,
-        **extra,
-    )
+    replay = None
+    if routes is not None:
+        replay = routes.left_padded([len(s) for s in sequences], width).to(device)
+    with replaying(replay):
+        out = model(
+            input_ids=ids,
+            attention_mask=attn,
+            use_cache=False,
+            logits_to_keep=r + 1,
+            **extra,
+        )
     logits = out.logits  # (b, r + 1, V): positions width - r - 1 ... width - 1
     targets = torch.cat([ids[:, width - r :], torch.zeros_like(ids[:, :1])], dim=1)
     logp, ent = token_stats(

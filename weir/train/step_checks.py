@@ -22,6 +22,7 @@ __all__ = [
     "MicroBatchRecords",
     "drop_nonfinite",
     "mismatch",
+    "mismatch_spread",
     "warn_over_max_len",
 ]
 
@@ -108,39 +109,39 @@ class MicroBatchRecords:
 
 
 def drop_nonfinite(
-    batch: TrainBatch, old: torch.Tensor | None, ref: torch.Tensor | None
-) -> tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None, int]:
+    batch: TrainBatch,
+    old: torch.Tensor | None,
+    ref: torch.Tensor | None,
+    teacher: torch.Tensor | None = None,
+) -> tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
     """Leave out (mask) every sample with a non-finite log-prob on a trained token, from the engine,
-    the trainer or the reference; returns the cleaned batch, old and ref log-probs and how many
-    samples were left out. `old` None: the step takes them from its own forward (the actor's fused
-    step), which checks them itself."""
+    the trainer, the reference or a distillation teacher; returns the cleaned batch, old, ref and
+    teacher log-probs and how many samples were left out. `old` None: the step takes them from its
+    own forward (the actor's fused step), which checks them itself."""
     m = batch.response_mask.bool()
     bad = (~torch.isfinite(batch.rollout_logprobs) & m).any(1)
     if batch.behavior_logprobs is not None:
         bad |= (~torch.isfinite(batch.behavior_logprobs) & m).any(1)
-    if old is not None:
-        bad |= (~torch.isfinite(old) & m).any(1)
-    if ref is not None:
-        bad |= (~torch.isfinite(ref) & m).any(1)
+    for t in (old, ref, teacher):
+        if t is not None:
+            bad |= (~torch.isfinite(t) & m).any(1)
     n = int(bad.sum().item())
     if n == 0:
-        return batch, old, ref, 0
+        return batch, old, ref, teacher, 0
     keep = (~bad).unsqueeze(1)
 
-    def clean(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(keep & torch.isfinite(t), t, 0.0)
+    def clean(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.where(keep & torch.isfinite(t), t, 0.0)
 
     old_is_rollout = old is batch.rollout_logprobs
     batch = dataclasses.replace(
         batch,
         response_mask=batch.response_mask * keep,
         rollout_logprobs=clean(batch.rollout_logprobs),
-        behavior_logprobs=None
-        if batch.behavior_logprobs is None
-        else clean(batch.behavior_logprobs),
+        behavior_logprobs=clean(batch.behavior_logprobs),
     )
-    old = batch.rollout_logprobs if old_is_rollout else None if old is None else clean(old)
-    return batch, old, None if ref is None else clean(ref), n
+    old = batch.rollout_logprobs if old_is_rollout else clean(old)
+    return batch, old, clean(ref), clean(teacher), n
 
 
 def mismatch(trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
@@ -154,6 +155,25 @@ def mismatch(trainer_logp: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         "mismatch/abs_logp_diff": (d.abs().sum() / n).item(),
         "mismatch/kl": (k3.sum() / n).item(),
     }
+
+
+def mismatch_spread(
+    trainer_logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    batch: TrainBatch,
+    rows: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """The spread of the importance ratios trainer / engine on the policy tokens, as the correction
+    presets see it (`weir.algo.mismatch_diagnostics`: ratio quantiles, the share outside each
+    preset's band, the preset the run needs), as `mismatch/*`. `rows`: (B,) bool, the rows whose
+    `trainer_logp` were computed (default: all)."""
+    m = (batch.response_mask > 0) & (batch.versions >= 0)
+    if rows is not None:
+        m &= rows.bool().unsqueeze(1)
+    if not m.any():
+        return {}
+    diag = algo.mismatch_diagnostics(trainer_logp, behaviour, m)
+    return {f"mismatch/{k}": v for k, v in diag.items()}
 
 
 def add_loss_metrics(
