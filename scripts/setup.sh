@@ -24,7 +24,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     }
   fi
 fi
-"${PIP[@]}" install -e ".[dev,docs${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+"${PIP[@]}" install -e ".[dev,docs,reasoning-gym,gymnasium,textarena${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+# OpenEnv for the adapter's tests, without the web UI its package also asks for (gradio, pandas and
+# their trees, which weir never imports): the core with --no-deps, then what its server and client use.
+"${PIP[@]}" install "fastmcp>=3,<5" "websockets>=15"
+"$VENV/bin/python" -c "import openenv.core" 2>/dev/null \
+  || "${PIP[@]}" install --no-deps "openenv-core>=0.3,<0.4"
 # `weir report`'s browser test renders the report in headless Chromium; install Debian's package
 # when it is missing and apt is there (as root), and never fail the set-up if that cannot be done.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \

@@ -359,7 +359,10 @@ def create_app(state: ServerState) -> FastAPI:
                 ) from None
             completions = await state.generate(prompt.ids, params, session, vision)
             choices = [state.choice(c, req.stop) for c in completions]
-            parsed = [state.formatter.assistant(ch.text, tools) for ch in choices]
+            parsed = [
+                state.formatter.assistant(ch.text, tools, ch.token_ids, ch.finish_reason)
+                for ch in choices
+            ]
             if session is not None:
                 content, calls, errors = parsed[0]
                 ch = choices[0]
