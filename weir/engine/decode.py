@@ -1,7 +1,7 @@
 """The torch engine's decode-step forward without the Hugging Face module machinery.
 
 A decode step feeds one token per row through the model. For the small models weir trains on a CPU,
-a quarter of that forward is not arithmetic but Python (docs/engine-speed.md): about 70 ``nn.Module`` calls (each through
+a quarter of that forward is not arithmetic but Python (docs/dev/engine-speed.md): about 70 ``nn.Module`` calls (each through
 ``_call_impl`` with its hook checks), the output-capturing and kwargs-merging decorators of the HF
 forward, config attribute look-ups, the attention-interface registry, output dataclasses. For the
 Llama family (Llama, Mistral, Qwen2, Qwen3: pre-norm decoder layers, RMSNorm, rotary positions,
@@ -63,7 +63,7 @@ class _Norm:
     As one ``F.rms_norm`` call where that gives the module's own bits on the weight's device and
     dtype (checked once, on random rows), else as the module writes it, op by op. On a CPU torch's
     ``rms_norm`` runs the same operations without the Python between them: there are 17 norms in a
-    decode step of a 4-layer Qwen3, and each took half the time as one call (docs/engine-speed.md).
+    decode step of a 4-layer Qwen3, and each took half the time as one call (docs/dev/engine-speed.md).
     """
 
     __slots__ = ("module", "eps", "fused", "shape")

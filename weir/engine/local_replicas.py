@@ -2,7 +2,7 @@
 (`engine.process=true` with `engine.replicas` > 1, cluster.type=local).
 
 Why: on a CPU, a decode step of a small model is a few hundred small operations, and a second
-intra-op thread does not make them faster (docs/engine-speed.md). A second engine process decoding
+intra-op thread does not make them faster (docs/dev/engine-speed.md). A second engine process decoding
 half of the rows on another core does: on a 2-core machine, two engines of 32 rows each generated
 workload B's 64 x 128 tokens in 0.70 s where one engine of 64 rows took 0.98 s
 (`benchmarks/decode_bounds.py`). It is `weir.engine.router.Router`'s idea without Ray, for one

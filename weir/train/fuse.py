@@ -13,7 +13,7 @@ Two routes, each applied to the trainer's model in place before its first forwar
   (and Triton on CUDA) and tens of seconds to compile at the first step.
 
 `auto` takes `liger` where it applies, else `compile` where it can run, on CUDA; `off` on a CPU
-(compiling there took minutes, docs/engine-speed.md). A route asked for that cannot run falls back
+(compiling there took minutes, docs/dev/engine-speed.md). A route asked for that cannot run falls back
 to the next (`liger` -> `compile` -> `off`), and the fallback and its reason are logged once.
 """
 
