@@ -42,3 +42,15 @@ def test_site_builds_strict(tmp_path):
     assert "--print-config" in cli  # weir train's option, read from the command itself
     flow = (tmp_path / "site" / "concepts" / "flow.html").read_text()
     assert "minimal_grpo_" in flow  # examples/minimal_grpo.py, included whole (its temp prefix)
+
+
+def test_readme_links_resolve():
+    """The README is read on GitHub, outside the site: each relative link names a file there."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if not t.startswith(("http://", "https://", "mailto:"))]
+    assert local, "no relative links found: the pattern is wrong"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that are not there: {missing}"
