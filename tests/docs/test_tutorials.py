@@ -7,6 +7,7 @@ fails here. Markers and scaling: tests/docs/tutorials.py.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,15 @@ def test_page_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     monkeypatch.syspath_prepend(str(tmp_path))  # the page's own modules (rewards, tools, envs)
+    try:
+        _run_page(page, tmp_path)
+    finally:  # the page's own modules (my_rewards, ...) go with it
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+                del sys.modules[name]
+
+
+def _run_page(page: Path, tmp_path: Path) -> None:
     for b in blocks(page):
         if b.kind == "file":
             path = tmp_path / b.path
