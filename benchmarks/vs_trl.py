@@ -328,6 +328,9 @@ def main() -> None:
         "affinity); each weir side against the TRL side of its count (replaces --trl-threads)",
     )
     ap.add_argument(
+        "--prompts", type=int, default=None, help="prompts a step (default: the workload's)"
+    )
+    ap.add_argument(
         "--real-eval", type=int, default=REAL_EVAL, help="R, S: held-out problems (default 200)"
     )
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "vs_trl"))
@@ -402,6 +405,7 @@ def main() -> None:
                     "eval": str(paths[wl]["eval"]),
                     "threads": int(at) if at else trl_sides.get(side, 2 if "2cores" in mode else 1),
                     "cores": int(at) if at else None,
+                    "batch_prompts": args.prompts,
                 }
                 python = args.trl_python if trl else sys.executable
                 t0 = time.perf_counter()

@@ -115,7 +115,7 @@ def weir_worker(spec: dict) -> dict:
         },
         "rollout": {
             "n": N,
-            "batch_prompts": w["prompts"],
+            "batch_prompts": spec.get("batch_prompts") or w["prompts"],
             "temperature": 1.0,
             "max_new_tokens": w["max_new_tokens"],
         },
@@ -238,7 +238,7 @@ def trl_worker(spec: dict) -> dict:
             if logs and "reward" in logs:
                 self.logs.append(dict(logs))
 
-    batch = w["prompts"] * N
+    batch = (spec.get("batch_prompts") or w["prompts"]) * N
     args = GRPOConfig(
         output_dir=spec["run_dir"],
         use_cpu=True,

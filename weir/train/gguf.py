@@ -129,6 +129,22 @@ def gguf_model_dir(
     return out
 
 
+@contextlib.contextmanager
+def _quiet_bars() -> Iterator[None]:
+    """No per-tensor progress bar (transformers' GGUF reader draws one) in a log or CI output;
+    on a terminal it stays."""
+    import sys
+
+    if sys.stderr.isatty() or "TQDM_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TQDM_DISABLE", None)
+
+
 def _tensor_types(path: Path) -> dict[str, int]:
     from gguf import GGUFReader
 
@@ -154,8 +170,11 @@ def convert_gguf(src: str | Path, out: str | Path, *, sha256: str | None = None)
     t0 = time.perf_counter()
     folder, name = str(src.parent), src.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _quiet_bars():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32
+            )
     except (OSError, ValueError, KeyError, NotImplementedError) as err:
         raise ValueError(
             f"cannot convert the GGUF file {str(src)!r}: {type(err).__name__}: {err}. transformers "
