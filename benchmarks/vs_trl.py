@@ -198,9 +198,12 @@ def greedy_eval(model_dir: str, eval_file: Path, max_new_tokens: int) -> dict[st
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
     from weir.engine import SamplingParams, TorchEngine
     from weir.train.model import eos_token_ids
 
+    hf_logging.disable_progress_bar()  # one bar per model would break the printed table
     rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

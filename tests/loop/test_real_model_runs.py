@@ -79,7 +79,8 @@ def test_chat_template_and_tokenizer_survive_sft_rl_export_reload(smollm2_dir, t
         assert GenerationConfig.from_pretrained(where).eos_token_id == original.eos_token_id
 
     # the RL step's prompts were the model's own rendering of each row's chat
-    dumped = [json.loads(line) for line in (result.dir / "rollouts" / "step_1.jsonl").open()]
+    (dump,) = (result.dir / "rollouts").glob("step_*1.jsonl")
+    dumped = [json.loads(line) for line in dump.open()]
     rendered = {
         tuple(original(text, add_special_tokens=False)["input_ids"])
         for text in (
