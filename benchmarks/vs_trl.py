@@ -197,7 +197,6 @@ def greedy_eval(model_dir: str, eval_file: Path, max_new_tokens: int) -> dict[st
     chat template; accuracy (the workloads' reward), mean response length, fraction at the cap."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     from weir.engine import SamplingParams, TorchEngine
