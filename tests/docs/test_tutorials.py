@@ -66,6 +66,11 @@ def _check(argv: list[str]) -> None:
     elif head == "weir" and argv[1] == "sft":
         config = argv[2] if len(argv) > 2 and "=" not in argv[2] else None
         load_config(config, [a for a in argv[2:] if "=" in a])
+    elif head == "weir" and argv[1] == "demo":
+        from weir.loop.demo import demo_config_path
+
+        task = argv[argv.index("--task") + 1] if "--task" in argv else "arithmetic"
+        load_config(demo_config_path(task), [a for a in argv[2:] if "=" in a])
     elif head == "weir":
         _weir([argv[0], argv[1], "--help"])
     elif head == "make":
