@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tiny models: 1 thread is as fast, and immune to oversubscription
+# tiny models: 1 thread is as fast, and immune to oversubscription; WEIR_TEST_TORCH_THREADS=2 runs
+# the suite under another thread count (other summation orders) to find bounds at a rounding edge
+torch.set_num_threads(int(os.environ.get("WEIR_TEST_TORCH_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")
