@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from weir.hf_compat import cache_kwargs
 from weir.train.precision import compute_device
 from weir.train.response_rows import PackedOutput, left_pad, token_stats
 
@@ -92,9 +93,9 @@ def prefix_response_logprobs(
         input_ids=p_ids.to(device),
         attention_mask=p_mask,
         position_ids=p_pos.to(device),
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **cache_kwargs(model, cache),
     ).logits[:, -1]  # (g, V): predicts every response's first token
     row_prompt = torch.tensor(rows_prompt, device=device)
     lengths = torch.tensor(response_lengths, device=device)
@@ -155,8 +156,8 @@ def prefix_response_logprobs(
                 input_ids=run[:, :width],
                 attention_mask=attn,
                 position_ids=prompt_len.index_select(0, their_prompt)[:, None] + col[None],
-                past_key_values=sub,
                 use_cache=True,
+                **cache_kwargs(model, sub),
             ).logits  # (rows, width, V): column j predicts response token j + 1
             rest, rest_ent = token_stats(
                 logits.reshape(len(rows) * width, -1),
