@@ -21,6 +21,7 @@ import concurrent.futures
 import contextvars
 import functools
 import inspect
+import logging
 import math as _math
 import re
 import threading
@@ -276,6 +277,39 @@ def numeric(
     }
 
 
+_log = logging.getLogger(__name__)
+
+
+class _TimeoutNotice(logging.Filter):
+    """math-verify warns "Timeout is disabled ..." (to stderr, through logging's last resort) the
+    first time each of its modules runs without its own timeout, which `_mv_timeout` turns off in
+    reward threads; `score`'s timeout bounds those calls. This filter drops that record and says it
+    once per process in weir's log, at debug level, instead."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Timeout is disabled"):
+            return True
+        if not _TimeoutNotice.said:
+            _TimeoutNotice.said = True
+            _log.debug(
+                "math-verify runs without its own timeout in reward threads (signal.alarm works only "
+                "in the main thread); reward.timeout_s bounds each call"
+            )
+        return False
+
+
+_TIMEOUT_NOTICE = _TimeoutNotice()
+
+
+def _route_math_verify_notices() -> None:
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _TIMEOUT_NOTICE not in logger.filters:
+            logger.addFilter(_TIMEOUT_NOTICE)
+
+
 def _mv_timeout(seconds: int | None) -> int | None:
     # math-verify's timeouts use signal.alarm, which only works in the main thread; elsewhere
     # (e.g. under asyncio.to_thread) they must be off, and `score`'s timeout bounds the call.
@@ -301,6 +335,7 @@ def math(
     """
     from math_verify import parse, verify
 
+    _route_math_verify_notices()
     t = _mv_timeout(timeout_seconds)
     gold_text = gold_final_answer(_gold(row, answer_key))
     response = _MARKDOWN_BOLD.sub(r"\1", strip_eos(sample.response_text, eos_texts))
