@@ -1,6 +1,6 @@
 """`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
 
-`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
+`--task` picks examples/<task>.yaml (shipped in the package as weir/examples): `arithmetic` (default), `calculator` (a tool-using agent),
 `relay` (two roles learning together: each computes a part the other needs, docs/multi-agent.md),
 `proposer_checker` (two roles; the checker learns the base rate, not to verify),
 `code` (functions written from a spec, rewarded by hidden tests run in the sandbox) or `shapes` (a
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
@@ -20,7 +21,9 @@ from weir.config import load_config
 from weir.loop.sft import run_sft
 from weir.loop.sync import run_sync
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# The example configs ship inside the package (weir/examples, a link to the checkout's examples/ that
+# the wheel carries as files): the demo runs the same after `pip install weir` as in a checkout.
+EXAMPLES = Path(str(resources.files("weir") / "examples"))
 
 
 def demo_config_path(task: str) -> Path:
