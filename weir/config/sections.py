@@ -85,7 +85,8 @@ class DataConfig(Section):
     train_size: int = Field(20000, ge=1)
     """Rows generated for a synthetic task's train split."""
     eval_size: int = Field(500, ge=1)
-    """Held-out rows used by evaluation."""
+    """Held-out rows used by evaluation: N rows of a task's test split, or the first N rows of
+    `eval_source`."""
     prompt_key: str = "prompt"
     """Field of a row holding the prompt text (or use `messages`)."""
     answer_key: str = "answer"

@@ -26,6 +26,7 @@ from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
 from weir.loop.engine_memory import check_kv_budget
+from weir.loop.resume import say
 from weir.loop.role_policies import build_role_policies
 from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
@@ -98,11 +99,18 @@ class Components:
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
-    """Rows of the configured data source or built-in task for `split` ("train" or "test")."""
+    """Rows of the configured data source or built-in task for `split` ("train" or "test"): for
+    "test", `data.eval_size` of them (the first N rows of `data.eval_source`)."""
     d = cfg.data
     source = d.source if split == "train" else d.eval_source
     if source is not None:
-        return load_rows(source)
+        rows = load_rows(source)
+        if split == "test" and len(rows) > d.eval_size:
+            say(
+                f"evaluating the first {d.eval_size} of the {len(rows)} rows of {source} (data.eval_size)"
+            )
+            rows = rows[: d.eval_size]
+        return rows
     rows = adapter_rows(cfg, split)  # reasoning-gym, verifiers, an environment's reset seeds
     if rows is not None:
         return rows
