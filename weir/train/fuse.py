@@ -32,6 +32,8 @@ LIGER_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2
 """`model_type`s whose Liger kernels compute what the Hugging Face modules compute (RMSNorm in
 float32 cast back as Llama's does, rotate-half RoPE, SiLU-gated MLP)."""
 COMPILERS = ("cc", "gcc", "clang")
+COMPILE_OPTIONS: dict = {"dynamic": True}
+"""`Module.compile`'s options for the `compile` route (tests swap in a counting backend)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def apply_fusion(
         for layer in _decoder_layers(model):
             # `Module.compile`: a deep copy of the model (the reference policy, an engine's copy)
             # is left uncompiled, where a compiled bound `forward` would run the original's
-            layer.compile(dynamic=True)
+            layer.compile(**COMPILE_OPTIONS)
     asked_for_more = mode not in ("off", fusion.route) and not (
         mode == "auto" and device.type != "cuda"
     )
