@@ -151,5 +151,35 @@ def test_liger_kernels_give_eager_logprobs_and_gradients(tiny_model_dir):
             setattr(modeling_qwen3, key, value)
 
 
+def test_liger_fuses_the_trainers_modules_and_nothing_else(tiny_model_dir):
+    """After `train.fuse=liger` the modeling module is as it was (Liger's process-wide classes and
+    RoPE put back), a model built afterwards is plain, and an engine's copy of the fused model runs
+    the plain modules again (its direct decode forward accepts it)."""
+    import copy
+
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from weir.engine.decode import DecodeForward
+    from weir.train.liger_scope import strip_liger
+
+    fused = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA)
+    saved = dict(vars(modeling_qwen3))
+    try:
+        got = fuse.apply_fusion("liger", fused, CUDA)
+        if got.route != "liger":
+            pytest.skip(f"train.fuse=liger fell back: {got.reason}")
+        assert vars(modeling_qwen3) == saved
+        assert any("forward" in vars(m) for m in fused.modules())
+        later = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA).eval()
+        assert DecodeForward.build(later, per_layer_type=False) is not None
+        engine = copy.deepcopy(fused).to(torch.bfloat16).eval()
+        assert DecodeForward.build(engine, per_layer_type=False) is None
+        assert strip_liger(engine) > 0
+        assert DecodeForward.build(engine, per_layer_type=False) is not None
+    finally:
+        for key, value in saved.items():
+            setattr(modeling_qwen3, key, value)
+
+
 def test_compiled_layers_give_eager_logprobs_and_gradients(tiny_model_dir):
     _fused_against_eager(tiny_model_dir, "compile")
