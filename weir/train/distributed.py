@@ -175,6 +175,7 @@ class TrainerRank:
         layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
         model = build_on_meta(self.model_path, dtype)  # imports the model's code, holds no weights
         why = layout_mismatch(model, layout)
+        self.start["sharded"] = float(self.sharded)
         baseline = reset_peak_rss()
         try:
             if why is None:
@@ -252,7 +253,8 @@ class TrainerRank:
         return teacher.eval().requires_grad_(False)
 
     def start_stats(self) -> dict[str, float]:
-        """How this rank started: `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
+        """How this rank started: `sharded` (1: FSDP2, 0: the plain `Actor` of a group of one
+        rank), `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
         (peak resident memory growth while building the actor), `shard_mb` (its weight shard),
         `read_mb` (bytes read from the model files)."""
         return dict(self.start)
