@@ -108,6 +108,9 @@ def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) ->
 
     from weir.train.actor import Actor, ActorSettings
 
+    # each contender compiles the fused head for itself: in the H200 run the FSDP2 rank, after the
+    # local actor in this process, hit dynamo's recompile limit and ran the head eagerly
+    torch._dynamo.reset()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     settings = ActorSettings.from_config(cfg)
     budget = cfg.train.micro_batch_tokens
