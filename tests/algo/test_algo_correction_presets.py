@@ -145,3 +145,13 @@ def test_report_line_names_the_preset():
     assert line.startswith("icepop (the last 2 steps: icepop, icepop)")
     assert "33.3% of tokens" in line
     assert report.mismatch_line({1: {"reward/mean": 0.0}}).startswith("–")
+
+
+def test_diagnostics_of_no_trained_token_are_empty_and_rows_without_one_are_left_out():
+    assert mismatch_diagnostics(TRAIN, ROLL, torch.zeros_like(MASK)) == {}
+    # a row without a trained token changes neither the sequence nor the token statistics
+    pad = torch.zeros(1, TRAIN.shape[1])
+    wide = mismatch_diagnostics(
+        torch.cat([TRAIN, pad - 3.0]), torch.cat([ROLL, pad]), torch.cat([MASK, pad])
+    )
+    assert wide == pytest.approx(mismatch_diagnostics(TRAIN, ROLL, MASK), abs=1e-7)

@@ -112,18 +112,19 @@ def preset_settings(name: str) -> dict[str, object]:
     return {"mode": p.mode, "cap": p.cap, "low": p.low, "high": p.high, "seq_ratio": p.seq_ratio}
 
 
-def _quantiles(x: Tensor) -> list[float]:
-    """`QUANTILES` of the 1-D tensor `x` (nearest rank: `torch.quantile` refuses > 16M values)."""
-    if x.numel() == 0:
-        return [0.0] * len(QUANTILES)
-    s = x.sort().values
-    n = s.numel()
-    idx = torch.tensor([min(n - 1, max(0, round(q * (n - 1)))) for q in QUANTILES])
-    return s[idx.to(s.device)].tolist()
+def _quantiles(x: Tensor, keep: Tensor) -> Tensor:
+    """`QUANTILES` of the entries of the 1-D `x` where `keep` is true, by nearest rank (0 where none
+    is kept), computed on `x`'s device without reading anything back (`torch.quantile` refuses
+    more than 16M values and wants the count on the host)."""
+    s = torch.where(keep, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device)).sort()
+    n = keep.sum()
+    last = (n - 1).clamp(min=0).double()
+    idx = torch.stack([(last * q).round() for q in QUANTILES]).long()
+    return torch.where(n > 0, s.values[idx], torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def mismatch_diagnostics(
-    train_logp: Tensor, rollout_logp: Tensor, mask: Tensor
+    train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, validate: bool = True
 ) -> dict[str, float]:
     """How far the trainer's log-probs are from the engine's, as the presets see it.
 
@@ -137,40 +138,51 @@ def mismatch_diagnostics(
       sequence-level ones) whose ratio falls outside the preset's band, i.e. that it would
       truncate or remove;
     * ``recommended``: the index in `RECOMMENDABLE` of `recommend_preset`'s answer.
+
+    An empty dict when `mask` selects no token. Everything is computed on the inputs' device and read back in one transfer, so a trainer step
+    pays one device sync for it. `validate=False` skips the shape and finiteness checks (one more
+    sync) for callers that made them already.
     """
-    train_logp = check_float_tensor("train_logp", train_logp, ndim=2)
-    rollout_logp = check_float_tensor("rollout_logp", rollout_logp, ndim=2)
-    m = check_mask("mask", mask, train_logp.shape)
-    check_shape("rollout_logp", rollout_logp, train_logp.shape, "same as train_logp")
-    check_finite_where({"train_logp": train_logp, "rollout_logp": rollout_logp}, m)
+    if validate:
+        train_logp = check_float_tensor("train_logp", train_logp, ndim=2)
+        rollout_logp = check_float_tensor("rollout_logp", rollout_logp, ndim=2)
+        mask = check_mask("mask", mask, train_logp.shape)
+        check_shape("rollout_logp", rollout_logp, train_logp.shape, "same as train_logp")
+        check_finite_where({"train_logp": train_logp, "rollout_logp": rollout_logp}, mask)
+    m = mask.bool()
     with torch.no_grad():
         dtype = torch.promote_types(train_logp.dtype, torch.float32)
         d = sanitize(train_logp.detach().to(dtype) - rollout_logp.detach().to(dtype), m)
         d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         n_b = m.sum(1)
         has = n_b > 0
-        seq_log = d.sum(1)[has]
-        geo_log = seq_log / n_b[has].to(dtype)
+        seq_log = d.sum(1)
+        geo_log = seq_log / n_b.clamp(min=1).to(dtype)
         ratios = {
-            "token": torch.exp(d[m]),
-            "seq": torch.exp(seq_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
-            "geo": torch.exp(geo_log),
+            "token": (torch.exp(d).flatten(), m.flatten()),
+            "seq": (torch.exp(seq_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), has),
+            "geo": (torch.exp(geo_log), has),
         }
-        out: dict[str, float] = {}
-        for q, v in zip(QUANTILES, _quantiles(ratios["token"]), strict=True):
-            out[f"token_ratio_q{round(q * 100):02d}"] = v
-        pick = [0, 2, 4]  # q01, q50, q99
-        geo_q, seq_q = _quantiles(ratios["geo"]), _quantiles(seq_log)
-        for i in pick:
+        names: list[str] = [f"token_ratio_q{round(q * 100):02d}" for q in QUANTILES]
+        parts: list[Tensor] = [_quantiles(*ratios["token"])]
+        geo_q, seq_q = _quantiles(*ratios["geo"]), _quantiles(seq_log, has)
+        for i in (0, 2, 4):  # q01, q50, q99
             tag = f"q{round(QUANTILES[i] * 100):02d}"
-            out[f"geo_ratio_{tag}"] = geo_q[i]
-            out[f"seq_logratio_{tag}"] = seq_q[i]
-        out["max_abs_logratio"] = float(d.abs().max()) if m.any() else 0.0
+            names += [f"geo_ratio_{tag}", f"seq_logratio_{tag}"]
+            parts.append(torch.stack([geo_q[i], seq_q[i]]))
+        names.append("max_abs_logratio")
+        parts.append(d.abs().max().reshape(1))
         for p in _PRESETS:
-            r = ratios[p.level]
+            r, keep = ratios[p.level]
             lo, hi = p.band
-            outside = ((r < lo) | (r > hi)).float().mean() if r.numel() else r.new_zeros(())
-            out[f"outside/{p.name}"] = float(outside)
+            outside = (((r < lo) | (r > hi)) & keep).sum().to(dtype) / keep.sum().clamp(min=1)
+            names.append(f"outside/{p.name}")
+            parts.append(outside.reshape(1))
+        parts.append(m.sum().reshape(1))
+        *values, count = torch.cat([t.to(dtype) for t in parts]).tolist()
+    if not count:
+        return {}
+    out = dict(zip(names, values, strict=True))
     out["recommended"] = float(RECOMMENDABLE.index(recommend_preset(out)))
     return out
 

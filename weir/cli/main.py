@@ -165,15 +165,16 @@ def eval_(
     ] = None,
     temperature: Annotated[float | None, typer.Option(help="0 is greedy. [0]")] = None,
     size: Annotated[
-        int | None, typer.Option(help="Held-out rows of a built-in task. [500]")
+        int | None,
+        typer.Option(help="Held-out rows: of a built-in task, or the first rows of --data. [500]"),
     ] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="[64]")] = None,
     seed: Annotated[int | None, typer.Option(help="[0]")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the metrics as JSON here.")] = None,
 ) -> None:
-    """Evaluate a model: mean reward, accuracy and pass@k with the built-in engine.
+    r"""Evaluate a model: mean reward, accuracy and pass@k with the built-in engine.
 
-    Defaults in [brackets] apply to a model; a run directory keeps the run's own eval settings."""
+    Defaults in \[brackets] apply to a model; a run directory keeps the run's own eval settings."""
     from weir.loop.evaluation import eval_config, run_eval
 
     try:

@@ -37,6 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from weir.config.devices import rounding_tolerance
 from weir.data.moe_routing import RoutingSpec, recording
 from weir.engine.masks import layer_masks
+from weir.hf_compat import cache_kwargs
 
 __all__ = ["DecodeForward", "Decoding", "forwards_agree", "logprob_gap"]
 
@@ -233,7 +234,7 @@ class DecodeForward:
     ) -> torch.Tensor:
         """Logits of the last position, float32 [rows, vocab], for `ids` [rows, q] at positions
         `pos`, attending to the KV slabs of `cache` (whose columns it extends, as the HF forward
-        does through ``past_key_values.update``) under `masks` (one per mask key, as `layer_masks`
+        does through the cache's ``update``) under `masks` (one per mask key, as `layer_masks`
         builds them). The cache geometry's ``length`` is left to the caller."""
         layers = cache.layers
         return self.run(ids, masks, pos, lambda idx, k, v: layers[idx].update(k, v))
@@ -360,9 +361,9 @@ class Decoding:
                 input_ids=ids,
                 attention_mask=masks,  # prepared 4D masks (or a dict by layer type) used as given
                 position_ids=pos,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **cache_kwargs(self.model, cache),
                 **pixels,
             )
         # routing recorded: the experts picked for each of `ids` [rows, q, layers, k]

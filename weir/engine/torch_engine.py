@@ -12,7 +12,7 @@ A daemon thread runs the decode loop over one *running batch*. Each iteration:
    prompt's logits, and the prompt's KV cache is copied into one row per surviving sample (shared
    prefix) of the running batch;
 2. runs one decode step for every row: the model's own ``forward`` over the last token of each row,
-   with the KV cache (``past_key_values``), an explicit 4D attention mask, explicit position ids and
+   with the KV cache (`weir.hf_compat.cache_kwargs`), an explicit 4D attention mask, explicit position ids and
    ``logits_to_keep=1`` (for Llama-family models the same operations without the HF module
    machinery, checked bit for bit against the model's forward: `weir.engine.decode`);
 3. samples the next token of every row with tensor ops (no per-row Python), and retires the rows that

@@ -26,6 +26,7 @@ from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
 from weir.loop.engine_memory import check_kv_budget
+from weir.loop.resume import say
 from weir.loop.role_policies import build_role_policies
 from weir.loop.selfcheck import run_selfcheck
 from weir.plugins import resolve
@@ -38,6 +39,7 @@ from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
 from weir.train.actor import Actor, ActorSettings
 from weir.train.critic import Critic, CriticSettings, load_value_model
+from weir.train.liger_scope import strip_liger
 from weir.train.lora import save_final_model
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
@@ -98,11 +100,18 @@ class Components:
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
-    """Rows of the configured data source or built-in task for `split` ("train" or "test")."""
+    """Rows of the configured data source or built-in task for `split` ("train" or "test"): for
+    "test", `data.eval_size` of them (the first N rows of `data.eval_source`)."""
     d = cfg.data
     source = d.source if split == "train" else d.eval_source
     if source is not None:
-        return load_rows(source)
+        rows = load_rows(source)
+        if split == "test" and len(rows) > d.eval_size:
+            say(
+                f"evaluating the first {d.eval_size} of the {len(rows)} rows of {source} (data.eval_size)"
+            )
+            rows = rows[: d.eval_size]
+        return rows
     rows = adapter_rows(cfg, split)  # reasoning-gym, verifiers, an environment's reset seeds
     if rows is not None:
         return rows
@@ -268,6 +277,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         or (p.device, p.dtype) != (device, dtype)
     ):
         model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        strip_liger(model)  # train.fuse=liger fused the trainer's modules, not the engine's
     options = dict(
         eos_token_ids=eos_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,

@@ -2,7 +2,7 @@
 pretrained model (`smollm2_arithmetic`: SmolLM2-135M-Instruct, docs/real-models.md) skips the warm
 start and RL starts from the model as it is.
 
-`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
+`--task` picks examples/<task>.yaml (shipped in the package as weir/examples): `arithmetic` (default), `calculator` (a tool-using agent),
 `relay` (two roles learning together: each computes a part the other needs, docs/multi-agent.md),
 `proposer_checker` (two roles; the checker learns the base rate, not to verify),
 `code` (functions written from a spec, rewarded by hidden tests run in the sandbox), `shapes` (a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +24,9 @@ from weir.config import load_config
 from weir.loop.sft import run_sft
 from weir.loop.sync import run_sync
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# The example configs ship inside the package (weir/examples, a link to the checkout's examples/ that
+# the wheel carries as files): the demo runs the same after `pip install weir` as in a checkout.
+EXAMPLES = Path(str(resources.files("weir") / "examples"))
 
 
 def demo_config_path(task: str) -> Path:

@@ -47,6 +47,7 @@ from weir.config.devices import rounding_tolerance
 from weir.data.moe_routing import Routes, replaying
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
+from weir.hf_compat import is_checkpointing
 from weir.train.precision import compute_device
 from weir.train.prefix_pass import prefix_response_logprobs
 from weir.train.response_rows import (
@@ -436,12 +437,7 @@ def prefix_refused_unprobed(model: torch.nn.Module) -> str | None:
     if vision_model(model) is not None:
         return "a vision-language model's prompts carry pixels (their KV is not shared)"
     cfg = getattr(model, "config", None)
-    name = (
-        "is_activation_checkpointing"
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    if getattr(model, name, False):
+    if is_checkpointing(model):
         return "prefix off: gradient checkpointing drops the prompt cache"
     layer_types = getattr(cfg, "layer_types", None) or []
     windowed = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)

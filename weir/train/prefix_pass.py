@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from weir.data.moe_routing import Routes, replaying
+from weir.hf_compat import cache_kwargs
 from weir.train.precision import compute_device
 from weir.train.response_rows import PackedOutput, left_pad, to_device, token_stats
 
@@ -109,7 +110,7 @@ def prefix_response_logprobs(
             input_ids=to_device(p_ids, device),
             attention_mask=p_mask,
             position_ids=to_device(p_pos, device),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]  # (g, V): predicts every response's first token
@@ -179,7 +180,7 @@ def prefix_response_logprobs(
                     input_ids=run[:, :width],
                     attention_mask=attn,
                     position_ids=prompt_len.index_select(0, their_prompt)[:, None] + col[None],
-                    past_key_values=sub,
+                    **cache_kwargs(model, sub),
                     use_cache=True,
                 ).logits  # (rows, width, V): column j predicts response token j + 1
             rest, rest_ent = token_stats(

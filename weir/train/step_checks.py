@@ -170,9 +170,7 @@ def mismatch_spread(
     m = (batch.response_mask > 0) & (batch.versions >= 0)
     if rows is not None:
         m &= rows.bool().unsqueeze(1)
-    if not m.any():
-        return {}
-    diag = algo.mismatch_diagnostics(trainer_logp, behaviour, m)
+    diag = algo.mismatch_diagnostics(trainer_logp, behaviour, m, validate=False)
     return {f"mismatch/{k}": v for k, v in diag.items()}
 
 
