@@ -35,8 +35,15 @@ from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
 from weir.rollout.env import StepResult, ToolEnv, as_step_result, maybe_await
+from weir.rollout.observation import Observation, as_observation
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
+from weir.rollout.vision_episode import (
+    PLACEHOLDER_ERROR,
+    EpisodeImages,
+    episode_images,
+    split_segments,
+)
 
 __all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
 
@@ -98,7 +105,18 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
     samples = await asyncio.gather(
         *(run_episode(ctx, row, make_env(agent), agent, index=i) for i in range(ctx.sampling.n))
     )
-    return Group(samples=list(samples), row=row)
+    return Group(samples=episode_segments(samples), row=row)
+
+
+def episode_segments(episodes: list[Sample]) -> list[Sample]:
+    """The training samples of `episodes`: each episode's sample, or its segments where image
+    memory rewrote its context (`weir.rollout.vision_episode`), tagged ``metadata["episode"]``."""
+    out = []
+    for i, s in enumerate(episodes):
+        for seg in split_segments(s) if s.metadata.get("segments") else [s]:
+            seg.metadata["episode"] = i
+            out.append(seg)
+    return out
 
 
 def seeded_by_row(ctx: RolloutContext, row: dict) -> RolloutContext:
@@ -132,9 +150,16 @@ async def run_episode(
     counts = dict.fromkeys(COUNTERS, 0)
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
     prompt_ids: list[int] = []
+    media = episode_images(ctx)  # a vision-language model: images in the prompt and observations
     try:
         first = await _env_reset(env, row)
-        prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
+        tools = getattr(env, "tool_schemas", None)
+        if media is None:
+            prompt_ids = _encode_prompt(ctx, row, first, tools, agent)
+        else:
+            show = tools if tools and agent.show_tools else None
+            p = ctx.extras.get("prompt", {})
+            prompt_ids = media.encode_prompt(row, first, show, p, ctx.encode_prompt)
         for turn in range(agent.max_turns):
             budget = agent.max_tokens - len(ids)
             if budget <= 0:
@@ -147,12 +172,20 @@ async def run_episode(
                 seed=_turn_seed(ctx.sampling.seed, prompt_ids, index, turn),
                 keep_kv=turn < agent.max_turns - 1,  # the next turn may reuse this one's KV
             )
-            (c,) = await ctx.engine.generate(prompt_ids + ids, params)
+            context, vision = (
+                (prompt_ids + ids, None) if media is None else media.context(prompt_ids + ids)
+            )
+            (c,) = await ctx.engine.generate(
+                context, params, **({"vision": vision} if vision is not None else {})
+            )
             _append(ids, mask, logprobs, versions, c)
             behavior += c.logprobs if c.sampled_logprobs is None else c.sampled_logprobs
             truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             turns.append({"role": "assistant", "tokens": len(c.token_ids)})
+            if media is not None and media.emitted_placeholder(c.token_ids):
+                status, error, stop = Status.FAILED, PLACEHOLDER_ERROR, "error"
+                break
             if c.finish_reason != "stop":
                 status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
                 stop = "abort" if c.finish_reason == "abort" else "length"
@@ -167,7 +200,10 @@ async def run_episode(
             if turn == agent.max_turns - 1:
                 status = Status.TRUNCATED
                 break
-            obs_ids = codec.encode(step.observation)
+            obs_ids = _observation_ids(media, codec, step.observation, prompt_ids + ids, agent)
+            if obs_ids is None:  # over the image-token bound (vision.max_image_tokens)
+                status, stop = Status.TRUNCATED, media.stop if media else "max_tokens"
+                break
             if len(ids) + len(obs_ids) >= agent.max_tokens:
                 status, stop = Status.TRUNCATED, "max_tokens"
                 break
@@ -199,6 +235,8 @@ async def run_episode(
         response_text=final_text,
     )
     model_turns = sum(t["role"] == "assistant" for t in turns)
+    if media is not None:  # its pixels, and the segments its image memory made
+        media.finish(sample)
     sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)
     sample.metadata["turns"] = turns
     sample.metadata["metrics"] = {
@@ -213,6 +251,24 @@ async def run_episode(
     return sample
 
 
+def _observation_ids(
+    media: EpisodeImages | None, codec: ObservationCodec, value: Any, raw: list[int], agent: Any
+) -> list[int] | None:
+    """The ids of the observation `value` (a string; with a vision-language model also an
+    `Observation` or content parts, through `media`); None when it does not fit. A malformed
+    observation, or images for a text-only model, fails the episode as an environment error."""
+    try:
+        if media is not None:
+            room = agent.max_tokens - (len(raw) - media.prompt_length)
+            return media.observation(value, len(raw), room, codec)
+        obs = as_observation(value)
+        if not isinstance(obs, str):
+            raise TypeError("the observation has images, but the model takes none")
+        return codec.encode(obs)
+    except (TypeError, ValueError) as e:
+        raise _EnvFailure(str(e)) from e
+
+
 class _EnvFailure(Exception):
     """An exception raised by the environment's reset or step (its __cause__)."""
 
@@ -221,9 +277,10 @@ async def _env_reset(env: Any, row: dict) -> Any:
     """``env.reset(row)`` (sync or async), checked; failures become `_EnvFailure`."""
     try:
         first = await maybe_await(env.reset(row))
-        if first is not None and not isinstance(first, (str, list)):
+        if first is not None and not isinstance(first, (str, list, Observation)):
             raise TypeError(
-                f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
+                "env.reset must return None, a str, an Observation or a list of messages, got "
+                f"{type(first).__name__}"
             )
         return first
     except asyncio.CancelledError:
