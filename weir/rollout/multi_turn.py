@@ -149,6 +149,7 @@ async def run_episode(
     env_rewards: list[float] = []
     counts = dict.fromkeys(COUNTERS, 0)
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
+    env_info: dict[str, Any] = {}  # the environment's last info, for the reward function
     prompt_ids: list[int] = []
     media = episode_images(ctx)  # a vision-language model: images in the prompt and observations
     try:
@@ -192,6 +193,7 @@ async def run_episode(
                 break
             step = await _env_step(env, final_text)
             env_rewards.append(step.reward)
+            env_info = step.info
             for k in COUNTERS:
                 counts[k] += step.info[k]
             if step.done or step.observation is None:
@@ -239,6 +241,7 @@ async def run_episode(
         media.finish(sample)
     sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)
     sample.metadata["turns"] = turns
+    sample.metadata["env_info"] = env_info
     sample.metadata["metrics"] = {
         "agent/turns": float(model_turns),
         **{f"agent/{k}": float(v) for k, v in counts.items()},
