@@ -231,7 +231,8 @@ def demo(
         typer.Option(
             help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests), "
             "relay (two roles learn together, multi-agent), proposer_checker (two roles) "
-            "or shapes (a vision-language model on PIL images)."
+            "shapes (a vision-language model on PIL images) or gui (a vision-language GUI agent: "
+            "SFT, action-level then task-level RL)."
         ),
     ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),

@@ -3,8 +3,9 @@
 `--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
 `relay` (two roles learning together: each computes a part the other needs, docs/multi-agent.md),
 `proposer_checker` (two roles; the checker learns the base rate, not to verify),
-`code` (functions written from a spec, rewarded by hidden tests run in the sandbox) or `shapes` (a
-tiny Qwen2.5-VL counts shapes and names their colour in PIL images).
+`code` (functions written from a spec, rewarded by hidden tests run in the sandbox), `shapes` (a
+tiny Qwen2.5-VL counts shapes and names their colour in PIL images) or `gui` (the tiny Qwen2.5-VL
+as a GUI agent on PIL screens: SFT, action-level RL, then task-level RL; `weir.loop.demo_stages`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from weir.config import load_config
+from weir.loop.demo_stages import STAGES, run_staged_demo
 from weir.loop.sft import run_sft
 from weir.loop.sync import run_sync
 
@@ -40,6 +42,8 @@ def run_demo(
     """
     console = console or Console()
     path = demo_config_path(task)
+    if task in STAGES:  # several RL stages (SFT, action-level, then task-level RL for gui)
+        return run_staged_demo(task, EXAMPLES, out, overrides, console)
     t0 = time.perf_counter()
     console.rule(f"[bold]weir demo: {task}[/bold] — 1/2 supervised warm start")
     sft_cfg = load_config(path, [*overrides, f"run.dir={out / 'sft'}"])
