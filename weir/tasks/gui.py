@@ -53,7 +53,7 @@ REWARD = "weir.tasks.gui:success"
 DESCRIPTION = (
     "a vision-language agent clicks, types and scrolls on 48x48 PIL screens to reach a goal"
 )
-SIDE, CELL, GRID = 48, 16, 3
+SIDE, CELL, GRID = 32, 16, 2
 COLOURS = {
     "red": (220, 40, 40),
     "green": (40, 170, 60),
@@ -63,7 +63,8 @@ COLOURS = {
 WORDS = ("go", "ok", "hi", "yes", "no", "up")
 KINDS = ("press", "menu", "form", "list")
 STEPS = {"press": 1, "menu": 2, "form": 3, "list": 2}
-LIST_LEN, VIEW = 5, 3
+ELEMENTS = 2  # buttons on a screen, items in a menu (a form has its field and two buttons)
+LIST_LEN, VIEW, LIST_COLUMN = 4, 2, 0
 SLACK = 2  # actions beyond the goal's steps that an episode allows
 _TEST_OFFSET = 1 << 40
 
@@ -74,7 +75,7 @@ _SCROLL = re.compile(r"^\s*scroll\(\s*(up|down)\s*\)\s*$")
 
 def background(x: int, y: int) -> tuple[int, int, int]:
     """The grey of cell (x, y): a different shade for each of the nine cells."""
-    level = 50 + 18 * (GRID * y + x)
+    level = 60 + 40 * (GRID * y + x)
     return (level, level, level)
 
 
@@ -118,7 +119,7 @@ def parse_action(text: str) -> tuple[str, Any] | None:
 def list_items(goal: dict[str, Any], state: _State) -> list[list]:
     """The list items on screen: (colour, column 1, row)."""
     shown = goal["items"][state.offset : state.offset + VIEW]
-    return [[c, 1, row] for row, c in enumerate(shown)]
+    return [[c, LIST_COLUMN, row] for row, c in enumerate(shown)]
 
 
 def step_app(goal: dict[str, Any], state: _State, action: str) -> float:
@@ -233,7 +234,7 @@ def expert_actions(goal: dict[str, Any]) -> list[str]:
             click(_cell_of(goal["buttons"], goal["press"])),
         ]
     index = goal["items"].index(goal["pick"]) - (LIST_LEN - VIEW)
-    return ["scroll(down)", click((1, index))]
+    return ["scroll(down)", click((LIST_COLUMN, index))]
 
 
 class GuiEnv:
@@ -290,15 +291,15 @@ def make_goal(rng: random.Random, kind: str) -> dict[str, Any]:
     """A random goal of `kind` with its layout."""
     names = sorted(COLOURS)
     if kind == "press":
-        cols = rng.sample(names, 3)
-        buttons = [[c, *xy] for c, xy in zip(cols, _cells(rng, 3), strict=True)]
+        cols = rng.sample(names, ELEMENTS)
+        buttons = [[c, *xy] for c, xy in zip(cols, _cells(rng, ELEMENTS), strict=True)]
         target = rng.choice(cols)
         return {"kind": kind, "buttons": buttons, "target": target, "text": f"Press {target}."}
     if kind == "menu":
-        cols = rng.sample(names, 3)
-        buttons = [[c, *xy] for c, xy in zip(cols, _cells(rng, 3), strict=True)]
-        items_c = rng.sample(names, 3)
-        items = [[c, *xy] for c, xy in zip(items_c, _cells(rng, 3), strict=True)]
+        cols = rng.sample(names, ELEMENTS)
+        buttons = [[c, *xy] for c, xy in zip(cols, _cells(rng, ELEMENTS), strict=True)]
+        items_c = rng.sample(names, ELEMENTS)
+        items = [[c, *xy] for c, xy in zip(items_c, _cells(rng, ELEMENTS), strict=True)]
         opened, pick = rng.choice(cols), rng.choice(items_c)
         text = f"Open {opened}, pick {pick}."
         return {
@@ -364,6 +365,7 @@ def make_rows(
         steps = STEPS[kind]
         row = {
             "prompt": goal["text"],
+            "answer": " ".join(expert_actions(goal)),  # the expert's episode, for dumps
             "goal": goal,
             "kind": kind,
             "goal_seed": goal_seed,
