@@ -31,7 +31,7 @@ class ServeConfig(Section):
     """max_tokens of a chat request that sets none (capped by max_tokens)."""
     max_n: int = Field(8, ge=1)
     """Most completions per request (requests in a recorded session must use n=1)."""
-    tool_format: Literal["hermes", "tag"] = "hermes"
+    tool_format: str = "hermes"
     """How the model writes tool calls (see agent.tool_format); parsed into `tool_calls`."""
 
 
@@ -45,9 +45,12 @@ class AgentConfig(Section):
     """Keyword arguments for the environment factory."""
     tools: list[str] = Field(default_factory=list)
     """Tools of the tools environment: dotted paths `pkg.mod:fn` (or built-in tool names)."""
-    tool_format: Literal["hermes", "tag"] = "hermes"
-    """How the model writes calls: `hermes` `<tool_call>{"name":..,"arguments":{..}}</tool_call>`,
-    or `tag` `<name>input</name>` (e.g. `<calc>12*34</calc>`), easy for tiny models."""
+    tool_format: str = "hermes"
+    """How the model writes calls, by model family: `hermes` (= `qwen2_5`, `qwen3`:
+    `<tool_call>{"name":..,"arguments":{..}}</tool_call>`), `qwen3_coder` (XML parameters),
+    `llama3_json`, `mistral` (`[TOOL_CALLS]`), `deepseek_v3`, `harmony` (GPT-OSS), `tag`
+    (`<calc>12*34</calc>`, easy for tiny models), or a dotted path to a format of your own
+    (docs/agents.md#tool-call-formats)."""
     show_tools: bool = True
     """Pass the tools' JSON schemas to the chat template (`tools=`) when building the prompt."""
     max_turns: int = Field(4, ge=1)
@@ -57,6 +60,13 @@ class AgentConfig(Section):
     rollout.max_new_tokens."""
     tool_timeout_s: float | None = Field(10.0, gt=0)
     """A tool call taking longer becomes an error observation."""
+    play_cut_turns: bool = False
+    """A turn cut at rollout.max_new_tokens is still passed to the environment (games and gym
+    environments judge any text) instead of ending the episode as truncated."""
+    env_timeout_s: float | None = Field(60.0, gt=0)
+    """An environment's reset or step taking longer fails that episode (counted in
+    agent/env_timeouts); a sync environment runs on a thread of its episode's own, so a hung one
+    stalls no other episode."""
     reward: Literal["task", "env", "sum"] = "sum"
     """Sample reward: the reward function's (`task`), the discounted sum of the environment's
     per-step rewards (`env`), or both added (`sum`)."""

@@ -58,6 +58,8 @@ class PrefixEntry:
     refs: int = 1
     """Finished samples that left these same ids (n samples of a prompt often agree on a turn); each
     `take` serves one of them."""
+    routes: torch.Tensor | None = None
+    """The experts the routers picked for `ids` (routing recorded, `weir.data.moe_routing`)."""
     images: tuple[str, ...] = ()
     """Digests of the images whose tokens are among `ids` (a vision-language conversation)."""
 
@@ -94,10 +96,11 @@ class PrefixCache:
         version: int,
         budget: int | None,
         images: tuple[str, ...] = (),
+        routes: torch.Tensor | None = None,
     ) -> bool:
         """Keep copies of `keys` / `values` (views of a slab row) for `ids` (whose image tokens
-        show `images`, by digest). Under a `budget`, older entries make room first; an entry that
-        cannot fit is not stored. Returns whether it was."""
+        show `images`, by digest), and their recorded `routes`. Under a `budget`, older entries make
+        room first; an entry that cannot fit is not stored. Returns whether it was."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if budget is not None:
             while self._entries and self.meter.live + nbytes > budget:
@@ -121,6 +124,7 @@ class PrefixCache:
             [self.meter.track(v.clone()) for v in values],
             version,
             nbytes,
+            routes=routes,
             images=key[1],
         )
         self._entries[key] = entry

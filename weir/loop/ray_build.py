@@ -72,6 +72,7 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
                 on_gpu=c.engines.gpus > 0,
                 cudnn_attention=cfg.model.cudnn_attention,
                 deterministic=cfg.run.deterministic,
+                record_routing=cfg.algo.routing_replay,
             )
             for i in range(c.engines.replicas)
         ]

@@ -152,6 +152,16 @@ def _write_all(fd, data):
 
 
 _REPORT = [1]  # the fd verdicts go to
+_RUNNING = [None]  # the index of the test being run
+
+
+def _on_cpu_limit(signum, frame):
+    """RLIMIT_CPU's soft limit reached (SIGXCPU): the running test used the judge's CPU time; it is
+    reported as the test that hit the limit, then the judge ends (the rest are not reached)."""
+    _report({"limit": "cpu_time", "test": _RUNNING[0]})
+    if _RUNNING[0] is not None:
+        _report({"test": _RUNNING[0], "ok": False, "error": "CPU time limit exceeded"})
+    os._exit(4)
 
 
 def _report(obj):
@@ -216,6 +226,7 @@ def judge(cfg, link):
             _report({"test": i, "ok": False, "error": f"not reached ({link.gone})"})
             continue
         link.fault = None
+        _RUNNING[0] = i
         try:
             exec(compile(test, f"<test {i}>", "exec"), ns)
         except BaseException as e:
@@ -235,6 +246,9 @@ def run_job(cfg_fd, report_fd, req_fd, resp_fd):
     try:
         with os.fdopen(cfg_fd, "rb") as f:
             cfg = wire.json_loads(f.read())
+        import signal
+
+        signal.signal(signal.SIGXCPU, _on_cpu_limit)
         _limit(cfg.get("limits", {}))
         if cfg.get("path"):
             sys.path[:] = cfg["path"]

@@ -305,8 +305,12 @@ class Sandbox:
         if tests is not None:
             outcomes = _outcomes(raw.judge, len(tests))
             judge_failure = _judge_failure(raw)
+            hit = next((d for d in raw.judge if d.get("limit") == "cpu_time"), None)
             if judge_failure and status != "sandbox_error":
                 status, reason = "sandbox_error", judge_failure
+            elif hit is not None and status in ("ok", "error"):
+                status = "cpu_time"  # a test's own code, run in the judge, used up the CPU limit
+                reason = f"CPU time limit {limits.cpu_s:g} s exceeded in test {hit.get('test')}"
             elif status in ("ok", "error") and not all(t.passed for t in outcomes):
                 failed = [t for t in outcomes if not t.passed]
                 status = "error"

@@ -44,11 +44,19 @@ from typing import Literal
 import torch
 
 from weir.config.devices import rounding_tolerance
+from weir.data.moe_routing import Routes, replaying
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
+from weir.hf_compat import is_checkpointing
 from weir.train.precision import compute_device
 from weir.train.prefix_pass import prefix_response_logprobs
-from weir.train.response_rows import PackedOutput, left_pad, response_rows, token_stats
+from weir.train.response_rows import (
+    PackedOutput,
+    left_pad,
+    response_rows,
+    to_device,
+    token_stats,
+)
 from weir.train.varlen import install as install_varlen
 from weir.train.varlen import varlen_inputs, varlen_refusal
 
@@ -244,11 +252,14 @@ def response_logprobs(
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
     one_pass: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
 
     `one_pass` (the `prefix` layout on FSDP ranks): exactly two root forwards per call, so that
-    every rank's collectives stay in step (see `prefix_response_logprobs`).
+    every rank's collectives stay in step (see `prefix_response_logprobs`). `routes`: the
+    engine's recorded routing of each sequence, replayed in every forward (an MoE model with
+    `algo.routing_replay`; `weir.data.moe_routing`).
 
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
@@ -267,6 +278,7 @@ def response_logprobs(
                 pad_to=pad_to,
                 chunk_size=chunk_size,
                 one_pass=one_pass,
+                routes=routes,
             )
     options = dict(
         temperature=temperature,
@@ -275,6 +287,7 @@ def response_logprobs(
         pad_to=pad_to,
         chunk_size=chunk_size,
         visions=visions,
+        routes=routes,
     )
     if layout == "padded":
         return padded_response_logprobs(model, sequences, response_lengths, **options)
@@ -310,22 +323,27 @@ def packed_response_logprobs(
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
     varlen: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `packed` layout: one row, position ids restarting per sequence (see the module
     docstring); with `varlen`, the `varlen` layout: the same row through the variable-length
     attention of `weir.train.varlen` (no mask)."""
     device = compute_device(model)
     flat, positions, keep = pack(sequences, response_lengths)
-    input_ids = torch.tensor([flat], device=device)
-    extra: dict = {"position_ids": torch.tensor([positions], device=device)}
+    input_ids = to_device(torch.tensor([flat]), device)
+    extra: dict = {"position_ids": to_device(torch.tensor([positions]), device)}
     vm = vision_model(model)
     if vm is not None:  # even without images: the 1-D text positions keep the sequences apart
         extra = vm.packed_inputs(sequences, visions or [None] * len(sequences))
     elif varlen:
         install_varlen()
         extra.update(varlen_inputs([len(s) for s in sequences], device))
-    keep_idx = torch.tensor(keep, device=device)
-    out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
+    keep_idx = to_device(torch.tensor(keep), device)
+    replay = None
+    if routes is not None:
+        replay = torch.cat([routes.span(i, 0, len(s)) for i, s in enumerate(sequences)])
+    with replaying(None if replay is None else to_device(replay, device)):
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
     logp, ent = token_stats(
         out.logits[0],
         input_ids[0, keep_idx + 1],
@@ -351,6 +369,7 @@ def padded_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `padded` layout: one left-padded row per sequence.
 
@@ -363,20 +382,24 @@ def padded_response_logprobs(
     b, width = len(sequences), max(len(s) for s in sequences)
     r = max(response_lengths)
     ids, attn, positions = left_pad(sequences)
-    ids, attn = ids.to(device), attn.to(device)
-    extra = {"position_ids": positions.to(device)}
+    ids, attn = to_device(ids, device), to_device(attn, device)
+    extra = {"position_ids": to_device(positions, device)}
     if visions is not None and any(v is not None for v in visions):
         vm = vision_model(model)
         if vm is None:
             raise ValueError("sequences with images for a text-only model")
         extra, _ = vm.padded_inputs(sequences, visions, width)
-    out = model(
-        input_ids=ids,
-        attention_mask=attn,
-        use_cache=False,
-        logits_to_keep=r + 1,
-        **extra,
-    )
+    replay = None
+    if routes is not None:
+        replay = routes.left_padded([len(s) for s in sequences], width).to(device)
+    with replaying(replay):
+        out = model(
+            input_ids=ids,
+            attention_mask=attn,
+            use_cache=False,
+            logits_to_keep=r + 1,
+            **extra,
+        )
     logits = out.logits  # (b, r + 1, V): positions width - r - 1 ... width - 1
     targets = torch.cat([ids[:, width - r :], torch.zeros_like(ids[:, :1])], dim=1)
     logp, ent = token_stats(
@@ -387,7 +410,7 @@ def padded_response_logprobs(
         entropy_grad=entropy_grad,
         chunk_size=chunk_size,
     )
-    lengths = torch.tensor(response_lengths, device=device)
+    lengths = to_device(torch.tensor(response_lengths), device)
     col = torch.arange(r, device=device)
     # row i's response is predicted by columns r - n_i ... r - 1; move it to columns 0 ... n_i - 1
     src = (r - lengths[:, None] + col[None]).clamp(max=r - 1)
@@ -414,12 +437,7 @@ def prefix_refused_unprobed(model: torch.nn.Module) -> str | None:
     if vision_model(model) is not None:
         return "a vision-language model's prompts carry pixels (their KV is not shared)"
     cfg = getattr(model, "config", None)
-    name = (
-        "is_activation_checkpointing"
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    if getattr(model, name, False):
+    if is_checkpointing(model):
         return "prefix off: gradient checkpointing drops the prompt cache"
     layer_types = getattr(cfg, "layer_types", None) or []
     windowed = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
