@@ -168,7 +168,8 @@ class SyncTrainerRank(TrainerRank):
         }
 
     def _sharded(self) -> dict[str, torch.Tensor]:
-        """This rank's shards by name (DTensors; no gather), tied tensors once."""
+        """This rank's shards by name (DTensors; no gather; whole tensors on a group of one rank),
+        tied tensors once."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.actor is not None, "setup() first"

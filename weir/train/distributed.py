@@ -6,6 +6,10 @@ split a batch and sum their gradients) on the meta device and reads only its own
 weights (weir.train.meta_init), trains, gathers full weights for the engines, and saves / loads
 sharded checkpoints with torch.distributed.checkpoint (weir.train.sharded_checkpoint).
 `TrainerGroup` is the driver's side: it calls every rank and returns rank 0's answer.
+
+A group of one rank (a colocated trainer on one GPU) trains the plain `Actor`, the very step of
+`cluster.type=local`, rather than FSDP2 over a world of one (`shards_model`): the same checkpoints
+(DCP reshards whole tensors into N ranks' shards and back), weight sync and offload.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from weir.config import Config
 from weir.config.sections import ClusterConfig, TrainConfig
-from weir.train.actor import ActorSettings
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.precision import Precision, setup_device
@@ -55,6 +59,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def shards_model(world: int, train: TrainConfig) -> bool:
+    """Whether a trainer group of `world` ranks shards its model with FSDP2.
+
+    One rank does not: FSDP2 over a world of one computes the plain `Actor`'s step and adds its
+    own work to it (each layer's parameters copied and cast in the forward and again in the
+    backward, gradients cast and passed through the reduction, DTensor dispatch in the optimizer,
+    its hooks; on an H200 its step took 1.95x the local one, docs/gpu.md), where the plain `Actor`
+    is the local step itself. Except with `train.offload_optimizer`: the plain actor's
+    `OffloadedAdamW` steps host copies of the parameters, which torch.distributed.checkpoint
+    cannot name, where FSDP2's CPU offload keeps checkpoints and trainer state by name."""
+    return world > 1 or train.offload_optimizer
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,8 @@ class TrainerRank:
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here
         self.device = "cuda:0" if settings.cluster.trainer.gpus_per_rank > 0 else "cpu"
         torch.set_num_threads(settings.threads)
-        self.actor: ShardedActor | None = None
+        self.sharded = shards_model(world, settings.train)
+        self.actor: Actor | None = None
         self.start: dict[str, float] = {}
 
     def address(self) -> tuple[str, int]:
@@ -111,7 +129,8 @@ class TrainerRank:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, host: str, port: int) -> int:
-        """Join the trainer group and build the sharded actor; returns this rank."""
+        """Join the trainer group and build the actor (sharded unless the group is one rank:
+        `shards_model`); returns this rank."""
         on_gpu = self.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
         precision = Precision.from_config(self.settings.train, device=self.device)
@@ -132,9 +151,22 @@ class TrainerRank:
         self.actor = self._build(precision.param_dtype)
         return self.rank
 
-    def _build(self, dtype: torch.dtype) -> ShardedActor:
-        """The sharded actor, started on the meta device with only this rank's shard read from
-        disk; a model whose loading converts weights is loaded whole, as one process would.
+    def _actor(
+        self,
+        model: torch.nn.Module,
+        reference: torch.nn.Module | None = None,
+        teacher: torch.nn.Module | None = None,
+    ) -> Actor:
+        """The rank's actor on `model`: sharded, or the plain `Actor` (which copies its reference
+        and loads its teacher itself, as in one process)."""
+        if not self.sharded:
+            return Actor(model, self.settings.actor)
+        return ShardedActor(model, self.settings.actor, reference=reference, teacher=teacher)
+
+    def _build(self, dtype: torch.dtype) -> Actor:
+        """The actor, started on the meta device with only this rank's shard read from disk (one
+        rank: every weight, straight onto its device); a model whose loading converts weights is
+        loaded whole, as one process would.
 
         `start["peak_rss_mb"]` is the peak resident-memory growth from the moment the (weightless)
         model exists to the actor's being ready: what the weights cost this rank."""
@@ -143,6 +175,7 @@ class TrainerRank:
         layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
         model = build_on_meta(self.model_path, dtype)  # imports the model's code, holds no weights
         why = layout_mismatch(model, layout)
+        self.start["sharded"] = float(self.sharded)
         baseline = reset_peak_rss()
         try:
             if why is None:
@@ -155,16 +188,11 @@ class TrainerRank:
             from weir.train.model import load_model
 
             self.start["meta"] = 0.0
-            return ShardedActor(
-                load_model(self.model_path, dtype, self.device)[0],
-                self.settings.actor,
-            )
+            return self._actor(load_model(self.model_path, dtype, self.device)[0])
         finally:
             self.start["peak_rss_mb"] = peak_rss_since(baseline) / 2**20
 
-    def _from_shards(
-        self, model: torch.nn.Module, dtype: torch.dtype, layout: dict
-    ) -> ShardedActor:
+    def _from_shards(self, model: torch.nn.Module, dtype: torch.dtype, layout: dict) -> Actor:
         from weir.train.meta_init import build_on_meta, load_local_shards, materialize
 
         compute = Precision.from_config(self.settings.train, device=self.device).compute_dtype
@@ -174,23 +202,26 @@ class TrainerRank:
 
         def start(meta: torch.nn.Module) -> torch.nn.Module:
             nonlocal read
-            shard_model(
-                meta, compute_dtype=compute, offload=offload, device=torch.device(self.device)
-            )
+            if self.sharded:
+                shard_model(
+                    meta, compute_dtype=compute, offload=offload, device=torch.device(self.device)
+                )
             materialize(meta, where)
             read += load_local_shards(meta, layout)
             return meta
 
         actor_model = start(model)
         reference = teacher = None
-        if self.settings.actor.needs_reference:  # the frozen initial policy, sharded, read alike
-            reference = start(build_on_meta(self.model_path, dtype)).eval().requires_grad_(False)
-        teacher = self._teacher_shards(dtype, compute, offload, where)
+        if self.sharded:  # the frozen initial policy, sharded and read alike; a teacher too
+            if self.settings.actor.needs_reference:
+                reference = start(build_on_meta(self.model_path, dtype))
+                reference = reference.eval().requires_grad_(False)
+            teacher = self._teacher_shards(dtype, compute, offload, where)
         local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
         self.start.update(
             meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20
         )
-        return ShardedActor(actor_model, self.settings.actor, reference=reference, teacher=teacher)
+        return self._actor(actor_model, reference, teacher)
 
     def _teacher_shards(
         self, dtype: torch.dtype, compute: torch.dtype, offload: bool, where: str
@@ -222,7 +253,8 @@ class TrainerRank:
         return teacher.eval().requires_grad_(False)
 
     def start_stats(self) -> dict[str, float]:
-        """How this rank started: `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
+        """How this rank started: `sharded` (1: FSDP2, 0: the plain `Actor` of a group of one
+        rank), `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
         (peak resident memory growth while building the actor), `shard_mb` (its weight shard),
         `read_mb` (bytes read from the model files)."""
         return dict(self.start)
