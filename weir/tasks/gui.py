@@ -1,13 +1,14 @@
 """GUI: a small screen-based environment for vision-language agents, drawn with PIL.
 
-A screen is 48x48 pixels: a 3x3 grid of 16-pixel cells, which the tiny VLM sees as exactly one image
-token per cell (8-pixel patches merged 2x2). Each cell has its own shade of grey (lighter to the
-right and down), so where a token is can be read from the token itself; on it sit the elements:
-buttons (squares), menu items and list items (discs) in red, green, blue or yellow, and a text field
-(a white box, outlined in black once focused, with a dark bar once something is typed).
+A screen is 32x32 pixels: a 2x2 grid of 16-pixel cells, which the tiny VLM sees as exactly one image
+token per cell (8-pixel patches merged 2x2). Each cell's background encodes where it is (its red
+channel grows with the column, its green channel with the row), so a token's cell can be read from
+the token itself; on it sit the elements: buttons (squares), menu items and list items (discs) in
+red, green, blue or yellow, and a text field (a white box, outlined in black once focused, with a
+dark bar once something is typed).
 
 The goal is stated in text; the model acts with one action per turn, on the grid's coordinates
-(column x, row y, each 0-2)::
+(column x, row y, each 0 or 1)::
 
     click(x, y)        type("word")        scroll(down) / scroll(up)
 
@@ -17,7 +18,7 @@ Four kinds of goal, 1 to 3 steps when played well:
 - ``menu``:  "Open red, pick blue."        click the red button, then the blue item of its menu.
 - ``form``:  "Type go, press green."       click the field, type the word, click the green button
   (pressing with another word in the field does nothing).
-- ``list``:  "Scroll, pick yellow."        the list shows 3 of its 5 items; scroll down, click.
+- ``list``:  "Scroll, pick yellow."        the list shows 2 of its 4 items; scroll down, click.
 
 A wrong click, or any action that is not one of the three, changes nothing; an episode allows the
 steps of its goal plus two, so a mistake can be made good. Each step returns the action-level reward
@@ -51,7 +52,7 @@ __all__ = [
 
 REWARD = "weir.tasks.gui:success"
 DESCRIPTION = (
-    "a vision-language agent clicks, types and scrolls on 48x48 PIL screens to reach a goal"
+    "a vision-language agent clicks, types and scrolls on 32x32 PIL screens to reach a goal"
 )
 SIDE, CELL, GRID = 32, 16, 2
 COLOURS = {
@@ -168,7 +169,7 @@ def step_app(goal: dict[str, Any], state: _State, action: str) -> float:
 
 
 def render(goal: dict[str, Any], state: _State) -> Any:
-    """The current screen as a 48x48 RGB PIL image."""
+    """The current screen as a 32x32 RGB PIL image."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (SIDE, SIDE))
