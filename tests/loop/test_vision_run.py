@@ -88,7 +88,10 @@ def test_buffered_groups_keep_their_pixels():
     [
         ("engine.type=vllm", "engine.type=torch with cluster.type=local"),
         ("cluster.type=ray", "engine.type=torch with cluster.type=local"),
-        ("rollout.function=weir.rollout.multi_turn:rollout", "multi-turn"),
+        (
+            "rollout.function=weir.rollout.multi_agent:rollout;multi_agent.roles=[{name: a}]",
+            "multi-agent",
+        ),
     ],
 )
 def test_runs_that_would_drop_images_are_refused(override, match):
@@ -96,5 +99,6 @@ def test_runs_that_would_drop_images_are_refused(override, match):
     from weir.loop.components import _check_vision_run
 
     _check_vision_run(load_config(None, []))  # the defaults keep images
+    _check_vision_run(load_config(None, ["rollout.function=weir.rollout.multi_turn:rollout"]))
     with pytest.raises(ValueError, match=match):
-        _check_vision_run(load_config(None, [override]))
+        _check_vision_run(load_config(None, override.split(";")))

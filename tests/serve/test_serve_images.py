@@ -126,3 +126,63 @@ def test_a_text_only_model_refuses_images(engine, tokenizer):
                 ],
                 max_tokens=2,
             )
+
+
+def test_a_session_records_its_images_and_trains_as_the_engine_sampled(vlm_server):
+    """Two calls of one recorded session, each with a new screen: the second extends the first
+    token for token (its prompt is the first prompt + the reply + the new message, its pixels both
+    images), and the session's sample carries both images; the trainer's log-probs of its sampled
+    tokens are the engine's (float32, 1e-5). (KV reuse across such turns is tested with the
+    engine directly in tests/rollout/test_vision_episodes.py.)"""
+    import httpx
+    import torch
+
+    from weir.train.packing import response_logprobs
+
+    srv, rec, processor = vlm_server
+    session = srv.sessions.open({"task": "screens"})
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=session.api_key, max_retries=0)
+    first, _ = _data_url((200, 30, 30))
+    second, _ = _data_url((30, 30, 200))
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": first}},
+                {"type": "text", "text": "Goal: find blue."},
+            ],
+        }
+    ]
+    rec.calls.clear()
+    reply = client.chat.completions.create(model="vlm", messages=chat, max_tokens=5, seed=1)
+    chat += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": second}}]},
+    ]
+    client.chat.completions.create(model="vlm", messages=chat, max_tokens=5, seed=2)
+    (ids1, vision1, _), (ids2, vision2, _) = rec.calls
+    turn1 = session.turns[0]
+    assert ids2[: len(turn1.context)] == turn1.context  # linked: nothing re-tokenized
+    assert vision1.num_images == 1 and vision2.num_images == 2
+    (sample,) = session.to_samples()
+    assert sample.vision.equal(vision2) and sample.vision.images == [first, second]
+    assert sample.prompt_ids == ids1
+    seq = sample.prompt_ids + sample.response_ids
+    with torch.no_grad():
+        out = response_logprobs(
+            rec.inner.model,
+            [seq],
+            [len(sample.response_ids)],
+            layout="padded",
+            visions=[sample.vision],
+        )
+    mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    err = (out.logprobs[0, : len(mask)] - torch.tensor(sample.rollout_logprobs))[mask].abs().max()
+    assert err.item() < 1e-5
+    # the trajectory endpoint names the session's images
+    traj = httpx.get(
+        f"{srv.url}/v1/sessions/{session.id}/trajectory",
+        headers={"Authorization": f"Bearer {session.api_key}"},
+    ).json()
+    assert traj["segments"][0]["images"] == [first, second]
+    assert traj["segments"][0]["loss_mask"] == sample.loss_mask

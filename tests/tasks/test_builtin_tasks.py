@@ -22,6 +22,7 @@ def test_registry():
         "code",
         "countdown",
         "gsm8k",
+        "gui",
         "humaneval",
         "shapes",
         "proposer_checker",
@@ -34,7 +35,7 @@ def test_registry():
     with pytest.raises(ValueError) as e:
         get_task("arithmetc")
     valid = (
-        "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'humaneval', "
+        "['arithmetic', 'calculator', 'code', 'countdown', 'gsm8k', 'gui', 'humaneval', "
         "'proposer_checker', 'relay', 'shapes']"
     )
     assert valid in str(e.value) and "did you mean" in str(e.value)

@@ -232,8 +232,9 @@ def demo(
         typer.Option(
             help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests), "
             "relay (two roles learn together, multi-agent), proposer_checker (two roles), "
-            "shapes (a vision-language model on PIL images) or smollm2_arithmetic (a real "
-            "pretrained model, SmolLM2-135M-Instruct, fetched on first use; no SFT)."
+            "shapes (a vision-language model on PIL images), gui (a vision-language GUI agent: "
+            "SFT, action-level then task-level RL) or smollm2_arithmetic (a real pretrained "
+            "model, SmolLM2-135M-Instruct, fetched on first use; no SFT)."
         ),
     ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),

@@ -205,3 +205,16 @@ class VisionConfig(Section):
     allow_remote_urls: bool = False
     """Fetch `http(s)://` image URLs, in data rows and in the server's `image_url` parts. Off: such
     an image is refused (the row is skipped and counted; the server answers 400)."""
+    episode_memory: Literal["keep", "drop", "summary"] = "keep"
+    """Images of earlier turns of a multi-turn episode: `keep` them all (an observation that would
+    exceed vision.max_image_tokens ends the episode), `drop` all but the newest vision.keep_images
+    (each replaced by vision.image_placeholder), or `summary` (each replaced by its observation's
+    summary text, else the placeholder). A replacement rewrites the context, so the episode is
+    trained as one sample per segment between rewrites (docs/multimodal.md)."""
+    keep_images: int = Field(1, ge=1)
+    """episode_memory=drop/summary: the newest images kept in the context."""
+    max_image_tokens: int = Field(4096, ge=1)
+    """Most image tokens in one context of an episode (the model's own image tokens, after the
+    processor's merging)."""
+    image_placeholder: str = "[image]"
+    """The text that stands in for a dropped image."""

@@ -31,6 +31,7 @@ from weir.config.sections import (  # noqa: F401  (re-exported: the sections liv
     ClusterEnginesConfig,
     ClusterTrainerConfig,
     CorrectionConfig,
+    CreditConfig,
     CriticConfig,
     DataConfig,
     DistillConfig,
@@ -142,7 +143,25 @@ class Config(Section):
                 "wrap peft adapters): set cluster.type=local or lora.enabled=false"
             )
         self._check_multi_agent()
+        self._check_credit()
         return self
+
+    def _check_credit(self) -> None:
+        """algo.credit turn/both: multi-turn episodes, and an estimator the rule knows."""
+        credit, advantage = self.algo.credit, self.algo.advantage
+        if credit.mode == "episode":
+            return
+        if self.agent.env is None and "multi_turn" not in self.rollout.function:
+            raise ValueError(
+                f"algo.credit.mode={credit.mode} needs multi-turn episodes with step rewards: set "
+                "rollout.function=weir.rollout.multi_turn:rollout and agent.env"
+            )
+        known = ("grpo", "rloo", "gae", "reinforce_pp", "reinforce_pp_baseline")
+        if advantage not in known:
+            raise ValueError(
+                f"algo.credit.mode={credit.mode} combines step and task rewards for "
+                f"{', '.join(known)}; algo.advantage={advantage!r} is not one of them"
+            )
 
     def _adapter_data(self) -> bool:
         """An adapter section that provides the prompts (weir.adapters.adapter_rows)."""

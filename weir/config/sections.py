@@ -224,6 +224,22 @@ class DistillConfig(Section):
     """A served teacher: the longest one request may take."""
 
 
+class CreditConfig(Section):
+    """How a multi-turn episode's step-wise (action-level) rewards and its task-level reward become
+    advantages (docs/algorithms.md#rewards-at-two-levels)."""
+
+    mode: Literal["episode", "turn", "both"] = "episode"
+    """`episode`: every token of an episode gets the advantage of its reward (agent.reward).
+    `turn`: the tokens of turn t get the group-relative advantage of the return to go of the
+    environment's step rewards, G_t = sum_{t'>=t} step_discount^(t'-t) r_t'. `both`: the task
+    reward's advantage plus step_weight times the turn term (A = A^E + w A^S). With gae /
+    reinforce_pp the step rewards are placed on each turn's last token instead."""
+    step_weight: float = Field(1.0, ge=0.0)
+    """w, the weight of the step-level term under mode=both (and of the step rewards for gae)."""
+    step_discount: float = Field(1.0, ge=0.0, le=1.0)
+    """gamma over turns in the return to go of the step rewards."""
+
+
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, or a dotted path."""
@@ -243,6 +259,8 @@ class AlgoConfig(Section):
     old_logprobs: Literal["recompute", "engine"] = "recompute"
     """Old-policy log-probs: recomputed by the trainer before the update, or the engine's."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    credit: CreditConfig = Field(default_factory=CreditConfig)
+    """Step-wise and task-level rewards of multi-turn episodes into advantages."""
     distill: DistillConfig = Field(default_factory=DistillConfig)
     routing_replay: bool = False
     """Routing replay (R3) for mixture-of-experts models (Qwen3-MoE, GPT-OSS, DeepSeek-V3): the

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from weir.data.vision import VisionInputs
+from weir.data.vision_spans import image_spans, select_images
 
 __all__ = ["VisionModel", "vision_model"]
 
@@ -100,6 +101,34 @@ class VisionModel:
             deltas.append(d)
         kwargs = self._pixels(visions, dtype)
         kwargs["position_ids"] = pos
+        return kwargs, deltas
+
+    def suffix_inputs(
+        self,
+        seqs: Sequence[Sequence[int]],
+        visions: Sequence[VisionInputs | None],
+        width: int,
+        q: int,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """`padded_inputs` for the last `q` of `width` columns only (a prefill on top of cached
+        prefixes, `weir.engine.prefix_cache`): the positions of those columns, computed over the
+        whole sequences, and the pixels of the images whose tokens lie in them (the earlier images
+        are already in the cached KV). Raises ValueError when an image's tokens straddle a row's
+        first computed column: the caller computes more columns instead."""
+        pos = torch.zeros(3, len(seqs), width, dtype=torch.long, device=self.device)
+        deltas, kept = [], []
+        for i, (s, v) in enumerate(zip(seqs, visions, strict=True)):
+            p, d = self.positions(s, v)
+            pos[:, i, width - len(s) :] = p
+            deltas.append(d)
+            first = len(s) - q
+            spans = image_spans(s, self.image_token_id)
+            if any(a < first < b for a, b in spans):
+                raise ValueError(f"an image's tokens straddle column {first} of a prefill")
+            kept.append(select_images(v, [k for k, (a, _) in enumerate(spans) if a >= first]))
+        kwargs = self._pixels(kept, dtype)
+        kwargs["position_ids"] = pos[:, :, width - q :]
         return kwargs, deltas
 
     def packed_inputs(

@@ -25,6 +25,7 @@ from weir.engine.sampler import sample
 from weir.engine.shared_prefix import plan as plan_shared
 from weir.engine.slabs import I_KEY, I_MAXNEW, Geometry, Rows, SlabCache
 from weir.engine.streams import sample_key
+from weir.engine.vision_prefix import images_of, prompt_images, widen_suffix
 
 __all__ = ["Admission"]
 
@@ -64,7 +65,10 @@ class Admission:
         found = {}
         # any request may continue a kept conversation; only keep_kv ones keep theirs
         for r in reqs:
-            entry = pc.take(r.prompt, self.version)
+            images = None  # a vision-language prompt matches only its own images, never mid-image
+            if self._vision is not None:
+                images = images_of(r.prompt, r.vision, self._vision.image_token_id)
+            entry = pc.take(r.prompt, self.version, images)
             if entry is not None:
                 found[r] = entry
         return found
@@ -104,12 +108,15 @@ class Admission:
         With `past` (one cached prefix per sequence) only the last ``q = max(len(seq) - len(prefix))``
         columns are computed: the columns before them are copied from the prefixes, which cover them
         since every prefix is at least ``len(seq) - q`` long (`fill_past`). Without, ``q = width``.
-        A vision-language model never has `past` (its prompts' KV holds the image, and its rope
-        positions are computed over the whole prompt)."""
+        For a vision-language model `q` is widened so that no row starts inside an image, the
+        positions are those of the whole sequences and only the images in the computed columns go
+        through the vision tower (`weir.engine.vision_prefix`)."""
         dev = self._device
         lens = [len(x) for x in seqs]
         width = width or max(lens)
         q = width if past is None else max(n - e.length for n, e in zip(lens, past, strict=True))
+        if past is not None and self._vision is not None:
+            q = widen_suffix(seqs, q, self._vision.image_token_id)
         pad = self.pad_token_id
         ids = torch.tensor([[pad] * max(0, q - len(x)) + x[max(0, len(x) - q) :] for x in seqs])
         ids = ids.to(dev)
@@ -127,9 +134,11 @@ class Admission:
         pos = (qcol[None, :] - start[:, None]).clamp_(min=0)
         deltas, pixels = [0] * len(seqs), {}
         if self._vision is not None:
-            assert past is None, "no prefix reuse with pixel inputs"
             visions = visions or [None] * len(seqs)
-            pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
+            if past is None:
+                pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
+            else:
+                pixels, deltas = self._vision.suffix_inputs(seqs, visions, width, q, self._dtype)
             pos = pixels.pop("position_ids")
         logits = self._forward(ids, mask[:, None], pos, cache, **pixels)
         return Prefilled(
@@ -403,6 +412,7 @@ class Admission:
                 [layer.values[row, :, lo:hi] for layer in cache.layers],
                 self.version,
                 budget,
+                prompt_images(b.reqs[r].vision),
                 routes=torch.cat(b.routes[r]) if self._routing is not None else None,
             )
 

@@ -22,6 +22,10 @@ replica, an evicted entry) costs a full prefill, never a wrong answer.
   The entry is *consumed*: the continuing request stores a longer one when it finishes, so a live
   episode holds one entry. Samples that finish with the same ids share one entry, counted once per
   sample (GRPO's n samples of a prompt often make the same tool call).
+- A vision-language conversation's entry also holds a digest of each image whose tokens it covers
+  (`weir.data.vision_spans.image_digests`): every image token is the same id, so ids alone do not
+  tell two screenshots apart. A request matches an entry only with the same images, and never at
+  a length that would cut an image's tokens in two.
 - Entries are evicted least recently stored first: beyond ``max_entries``, when the engine's KV
   budget (`weir.engine.kv_budget`) needs the room for admission, and all at once on a weight update,
   a sleep, an abort or an idle release. Their bytes are tracked by the engine's `KVMeter`, so the
@@ -31,6 +35,7 @@ replica, an evicted entry) costs a full prefill, never a wrong answer.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +56,12 @@ class PrefixEntry:
     version: int
     nbytes: int
     refs: int = 1
-    routes: torch.Tensor | None = None
-    """The experts the routers picked for `ids` (routing recorded, `weir.data.moe_routing`)."""
     """Finished samples that left these same ids (n samples of a prompt often agree on a turn); each
     `take` serves one of them."""
+    routes: torch.Tensor | None = None
+    """The experts the routers picked for `ids` (routing recorded, `weir.data.moe_routing`)."""
+    images: tuple[str, ...] = ()
+    """Digests of the images whose tokens are among `ids` (a vision-language conversation)."""
 
     @property
     def length(self) -> int:
@@ -69,7 +76,7 @@ class PrefixCache:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.meter = meter
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()
+        self._entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()  # by (ids, images)
         self._lengths: dict[int, int] = {}  # entry length -> number of entries of that length
         # reused_tokens: prompt tokens not prefilled thanks to a hit (counted by the engine)
         self.stats = {"stored": 0, "hits": 0, "misses": 0, "reused_tokens": 0, "evicted": 0}
@@ -88,18 +95,19 @@ class PrefixCache:
         values: list[torch.Tensor],
         version: int,
         budget: int | None,
+        images: tuple[str, ...] = (),
         routes: torch.Tensor | None = None,
     ) -> bool:
-        """Keep copies of `keys` / `values` (views of a slab row) for `ids`, and their recorded
-        `routes`. Under a `budget`, older entries make room first; an entry that cannot fit is not
-        stored. Returns whether it was."""
+        """Keep copies of `keys` / `values` (views of a slab row) for `ids` (whose image tokens
+        show `images`, by digest), and their recorded `routes`. Under a `budget`, older entries make
+        room first; an entry that cannot fit is not stored. Returns whether it was."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if budget is not None:
             while self._entries and self.meter.live + nbytes > budget:
                 self._evict_oldest()
             if self.meter.live + nbytes > budget:
                 return False
-        key = tuple(ids)
+        key = (tuple(ids), tuple(images))
         old = self._entries.get(key)
         if old is not None and old.version == version:  # the same KV: count it, copy nothing
             old.refs += 1
@@ -111,29 +119,40 @@ class PrefixCache:
         while len(self._entries) >= self.max_entries:
             self._evict_oldest()
         entry = PrefixEntry(
-            key,
+            key[0],
             [self.meter.track(k.clone()) for k in keys],
             [self.meter.track(v.clone()) for v in values],
             version,
             nbytes,
             routes=routes,
+            images=key[1],
         )
         self._entries[key] = entry
-        self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
+        self._lengths[len(ids)] = self._lengths.get(len(ids), 0) + 1
         self.stats["stored"] += 1
         return True
 
-    def take(self, prompt: list[int], version: int) -> PrefixEntry | None:
+    def take(
+        self,
+        prompt: list[int],
+        version: int,
+        images_of: Callable[[int], tuple[str, ...] | None] | None = None,
+    ) -> PrefixEntry | None:
         """Take (one use of) the longest entry of weight `version` whose ids are a proper prefix of
-        `prompt`; None (a miss) when there is none."""
+        `prompt`; None (a miss) when there is none. `images_of(length)`: the digests of the
+        prompt's images within its first `length` tokens, or None where that length cuts an image
+        (no entry of that length can serve); default: no images."""
         for length in sorted(self._lengths, reverse=True):
             if length >= len(prompt):
                 continue
-            entry = self._entries.get(tuple(prompt[:length]))
+            images = () if images_of is None else images_of(length)
+            if images is None:
+                continue
+            entry = self._entries.get((tuple(prompt[:length]), images))
             if entry is not None and entry.version == version:
                 entry.refs -= 1
                 if not entry.refs:
-                    self._remove(entry.ids)
+                    self._remove((entry.ids, entry.images))
                 self.stats["hits"] += 1
                 return entry
         self.stats["misses"] += 1
@@ -157,13 +176,14 @@ class PrefixCache:
         self._remove(key)
         self.stats["evicted"] += 1
 
-    def _remove(self, key: tuple[int, ...]) -> None:
+    def _remove(self, key: tuple) -> None:
         del self._entries[key]
-        n = self._lengths[len(key)] - 1
+        length = len(key[0])
+        n = self._lengths[length] - 1
         if n:
-            self._lengths[len(key)] = n
+            self._lengths[length] = n
         else:
-            del self._lengths[len(key)]
+            del self._lengths[length]
 
 
 def fill_past(cache: Any, past: list[PrefixEntry], lens: list[int], width: int, q: int) -> None:

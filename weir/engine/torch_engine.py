@@ -159,7 +159,8 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         kv_budget_fraction: instead, that fraction of the device memory free when the engine starts.
         kv_idle_release_s: give the KV slabs back after this many idle seconds (None: keep them).
         prefix_cache: keep the KV of finished ``keep_kv`` requests (multi-turn episodes) and reuse
-            it for the request that continues the conversation (`weir.engine.prefix_cache`).
+            it for the request that continues the conversation (`weir.engine.prefix_cache`; with
+            images too: `weir.engine.vision_prefix`).
         prefix_cache_entries: most entries kept (default: ``max_batch_size``).
         share_prefixes: compute once a prefix that the prompts admitted together, or the rows of a
             KV rebuild, share (a prompt's episodes, a system message), when that saves enough
@@ -242,7 +243,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         self._kv_idle_release_s = kv_idle_release_s
         self._prefix = (
             PrefixCache(self._kv.meter, prefix_cache_entries or max_batch_size)
-            if prefix_cache and self._vision is None  # a VLM prompt's KV holds its image
+            if prefix_cache
             else None
         )
         # routing recorded: every forward through the model's own (hooked) modules

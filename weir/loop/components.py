@@ -35,6 +35,7 @@ from weir.rollout.multi_agent import multi_agent_extras
 from weir.rollout.multi_turn import agent_extras
 from weir.rollout.rewards import REWARDS, get_reward
 from weir.rollout.single_turn import RolloutContext
+from weir.rollout.vision_episode import vision_extras
 from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
 from weir.train.actor import Actor, ActorSettings
@@ -349,7 +350,12 @@ def make_contexts(
         encode_vision=encode.encode if encode.takes_images else None,
         placeholder_ids=placeholders,
         reward_timeout_s=cfg.reward.timeout_s,
-        extras={**agent_extras(cfg), **multi_agent_extras(cfg), **adapter_extras(cfg)},
+        extras={
+            **agent_extras(cfg),
+            **multi_agent_extras(cfg),
+            **adapter_extras(cfg),
+            **vision_extras(cfg),
+        },
     )
     eval_ctx = train_ctx.with_sampling(
         n=e.n,
@@ -535,11 +541,10 @@ def _check_vision_run(cfg: Config) -> None:
             f"a vision-language model runs on engine.type=torch with cluster.type=local only (got "
             f"{cfg.engine.type} / {cfg.cluster.type}): set both (docs/multimodal.md)"
         )
-    fn = cfg.rollout.function
-    if cfg.agent.env is not None or "multi_turn" in fn or fn.startswith("weir.serve"):
+    if "multi_agent" in cfg.rollout.function:
         raise ValueError(
-            "multi-turn agent rollouts do not carry images yet; use the single-turn rollout "
-            "(rollout.function) with a vision-language model (docs/multimodal.md)"
+            "multi-agent episodes do not carry images yet; use the multi-turn rollout "
+            "(weir.rollout.multi_turn:rollout) with a vision-language model (docs/multimodal.md)"
         )
 
 

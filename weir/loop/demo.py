@@ -6,8 +6,9 @@ start and RL starts from the model as it is.
 `relay` (two roles learning together: each computes a part the other needs, docs/multi-agent.md),
 `proposer_checker` (two roles; the checker learns the base rate, not to verify),
 `code` (functions written from a spec, rewarded by hidden tests run in the sandbox), `shapes` (a
-tiny Qwen2.5-VL counts shapes and names their colour in PIL images) or `smollm2_arithmetic`
-(a real pretrained model learns two-digit additions asked in words).
+tiny Qwen2.5-VL counts shapes and names their colour in PIL images), `gui` (the tiny Qwen2.5-VL
+as a GUI agent on PIL screens: SFT, action-level RL, then task-level RL; `weir.loop.demo_stages`)
+or `smollm2_arithmetic` (a real pretrained model learns two-digit additions asked in words).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from weir.config import load_config
+from weir.loop.demo_stages import STAGES, run_staged_demo
 from weir.loop.sft import run_sft
 from weir.loop.sync import run_sync
 
@@ -48,6 +50,8 @@ def run_demo(
     """
     console = console or Console()
     path = demo_config_path(task)
+    if task in STAGES:  # several RL stages (SFT, action-level, then task-level RL for gui)
+        return run_staged_demo(task, EXAMPLES, out, overrides, console)
     t0 = time.perf_counter()
     base = load_config(path, overrides)
     # weir's tiny models start from random weights and need the warm start; a pretrained model

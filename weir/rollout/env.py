@@ -6,7 +6,9 @@ An environment is any object with two methods, each sync or async (gym-like, tex
   prompt: ``None`` (use the row's prompt), a string (the first user message) or a list of chat
   messages.
 - ``step(action_text) -> (observation, reward, done, info)``: the model's turn as text (special
-  tokens removed). `observation` is the text shown to the model next (``None`` when done),
+  tokens removed). `observation` is what the model is shown next (``None`` when done): a string,
+  or, for a vision-language model, text and images (`weir.rollout.observation.Observation`, or
+  a list of chat content parts),
   `reward` a float for this step, `done` ends the episode, `info` a dict of extras; numeric
   `info` entries named like `ToolEnv`'s counters (``tool_calls``, ``tool_errors``,
   ``malformed_calls``) are summed into the episode's metrics.
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from weir.rollout.observation import Observation, as_observation
 from weir.rollout.tool_calls import get_tool_format
 from weir.rollout.tools import ToolRegistry
 
@@ -39,7 +42,7 @@ class Env(Protocol):
 
 @dataclass
 class StepResult:
-    observation: str | None
+    observation: str | Observation | None
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
@@ -60,8 +63,7 @@ def as_step_result(value: Any) -> StepResult:
             f"got {type(value).__name__} {value!r:.200}"
         )
     obs, reward, done, info = value
-    if obs is not None and not isinstance(obs, str):
-        raise TypeError(f"env.step observation must be a str or None, got {type(obs).__name__}")
+    obs = as_observation(obs, "env.step observation")  # text, or text and images
     reward = 0.0 if reward is None else float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"env.step returned a non-finite reward {reward}")

@@ -37,7 +37,8 @@ def evaluate(
     for g in groups:
         rs = episode_rewards(g)  # multi-agent: one (team) reward per episode
         if rs is None:
-            rs = [s.reward if s.reward is not None else 0.0 for s in g.samples]
+            first = [s for s in g.samples if s.metadata.get("segment", 0) == 0]  # once an episode
+            rs = [s.reward if s.reward is not None else 0.0 for s in first]
         rs += [0.0] * (n - len(rs))  # a failed group holds one sample: the rest count as failures
         rewards.extend(rs)
         per_prompt.append(sum(r >= correct_at for r in rs))

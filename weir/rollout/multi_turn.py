@@ -38,9 +38,16 @@ from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
 from weir.rollout.env import StepResult, ToolEnv, as_step_result
+from weir.rollout.observation import Observation, as_observation
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
 from weir.rollout.tool_calls import get_tool_format, raw_turn_text
+from weir.rollout.vision_episode import (
+    PLACEHOLDER_ERROR,
+    EpisodeImages,
+    episode_images,
+    split_segments,
+)
 
 __all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
 
@@ -110,7 +117,18 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
             for i in range(ctx.sampling.n)
         )
     )
-    return Group(samples=list(samples), row=row)
+    return Group(samples=episode_segments(samples), row=row)
+
+
+def episode_segments(episodes: list[Sample]) -> list[Sample]:
+    """The training samples of `episodes`: each episode's sample, or its segments where image
+    memory rewrote its context (`weir.rollout.vision_episode`), tagged ``metadata["episode"]``."""
+    out = []
+    for i, s in enumerate(episodes):
+        for seg in split_segments(s) if s.metadata.get("segments") else [s]:
+            seg.metadata["episode"] = i
+            out.append(seg)
+    return out
 
 
 def seeded_by_row(ctx: RolloutContext, row: dict) -> RolloutContext:
@@ -144,13 +162,21 @@ async def run_episode(
     counts = dict.fromkeys(COUNTERS, 0)
     env_errors = dict.fromkeys(ENV_ERRORS, 0)
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
+    env_info: dict[str, Any] = {}  # the environment's last info, for the reward function
     prompt_ids: list[int] = []
     timeout = getattr(agent, "env_timeout_s", None)
     worker = _EnvThread()  # the episode's sync env calls, in order, on one thread of their own
     routed = None  # the last turn's recorded routing: the conversation it ran (algo.routing_replay)
+    media = episode_images(ctx)  # a vision-language model: images in the prompt and observations
     try:
         first = await _env_reset(env, row, timeout, worker)
-        prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
+        tools = getattr(env, "tool_schemas", None)
+        if media is None:
+            prompt_ids = _encode_prompt(ctx, row, first, tools, agent)
+        else:
+            show = tools if tools and agent.show_tools else None
+            p = ctx.extras.get("prompt", {})
+            prompt_ids = media.encode_prompt(row, first, show, p, ctx.encode_prompt)
         for turn in range(agent.max_turns):
             budget = agent.max_tokens - len(ids)
             if budget <= 0:
@@ -163,13 +189,21 @@ async def run_episode(
                 seed=_turn_seed(ctx.sampling.seed, prompt_ids, index, turn),
                 keep_kv=turn < agent.max_turns - 1,  # the next turn may reuse this one's KV
             )
-            (c,) = await ctx.engine.generate(prompt_ids + ids, params)
+            context, vision = (
+                (prompt_ids + ids, None) if media is None else media.context(prompt_ids + ids)
+            )
+            (c,) = await ctx.engine.generate(
+                context, params, **({"vision": vision} if vision is not None else {})
+            )
             _append(ids, mask, logprobs, versions, c)
             routed = c.routed_experts
             behavior += c.logprobs if c.sampled_logprobs is None else c.sampled_logprobs
             truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             turns.append({"role": "assistant", "tokens": len(c.token_ids)})
+            if media is not None and media.emitted_placeholder(c.token_ids):
+                status, error, stop = Status.FAILED, PLACEHOLDER_ERROR, "error"
+                break
             cut = c.finish_reason != "stop"
             if c.finish_reason == "abort" or (cut and not agent.play_cut_turns):
                 status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
@@ -182,6 +216,7 @@ async def run_episode(
             )
             step = await _env_step(env, action, timeout, worker)
             env_rewards.append(step.reward)
+            env_info = step.info
             for k in COUNTERS:
                 counts[k] += step.info[k]
             if step.done or step.observation is None:
@@ -190,7 +225,10 @@ async def run_episode(
             if turn == agent.max_turns - 1:
                 status = Status.TRUNCATED
                 break
-            obs_ids = codec.encode(step.observation)
+            obs_ids = _observation_ids(media, codec, step.observation, prompt_ids + ids, agent)
+            if obs_ids is None:  # over the image-token bound (vision.max_image_tokens)
+                status, stop = Status.TRUNCATED, media.stop if media else "max_tokens"
+                break
             if len(ids) + len(obs_ids) >= agent.max_tokens:
                 status, stop = Status.TRUNCATED, "max_tokens"
                 break
@@ -231,8 +269,11 @@ async def run_episode(
         routed_experts=routed,
     )
     model_turns = sum(t["role"] == "assistant" for t in turns)
+    if media is not None:  # its pixels, and the segments its image memory made
+        media.finish(sample)
     sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)
     sample.metadata["turns"] = turns
+    sample.metadata["env_info"] = env_info
     sample.metadata["metrics"] = {
         "agent/turns": float(model_turns),
         **{f"agent/{k}": float(v) for k, v in counts.items()},
@@ -244,6 +285,24 @@ async def run_episode(
         {"env_rewards": env_rewards, "turns": model_turns, "stop": stop, **counts}
     )
     return sample
+
+
+def _observation_ids(
+    media: EpisodeImages | None, codec: ObservationCodec, value: Any, raw: list[int], agent: Any
+) -> list[int] | None:
+    """The ids of the observation `value` (a string; with a vision-language model also an
+    `Observation` or content parts, through `media`); None when it does not fit. A malformed
+    observation, or images for a text-only model, fails the episode as an environment error."""
+    try:
+        if media is not None:
+            room = agent.max_tokens - (len(raw) - media.prompt_length)
+            return media.observation(value, len(raw), room, codec)
+        obs = as_observation(value)
+        if not isinstance(obs, str):
+            raise TypeError("the observation has images, but the model takes none")
+        return codec.encode(obs)
+    except (TypeError, ValueError) as e:
+        raise _EnvFailure(str(e), bad_result=True) from e
 
 
 class _EnvFailure(Exception):
@@ -317,9 +376,10 @@ async def _env_reset(env: Any, row: dict, timeout: float | None, worker: _EnvThr
         raise
     except Exception as e:
         raise _EnvFailure(str(e)) from e
-    if first is not None and not isinstance(first, (str, list)):
+    if first is not None and not isinstance(first, (str, list, Observation)):
         err = TypeError(
-            f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
+            "env.reset must return None, a str, an Observation or a list of messages, got "
+            f"{type(first).__name__}"
         )
         raise _EnvFailure(str(err), bad_result=True) from err
     return first

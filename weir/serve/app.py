@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import secrets
-from dataclasses import asdict
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -37,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weir.config.schema import ServeConfig
 from weir.data.prompts import BadRow
-from weir.data.vision import VisionInputs, encode_vision_prompt, processor_of
+from weir.data.vision import VisionInputs, processor_of
 from weir.engine.base import Completion, Engine, SamplingParams
 from weir.serve.chat import (
     ChatFormatter,
@@ -61,6 +60,7 @@ from weir.serve.responses import (
 )
 from weir.serve.sessions import Session, SessionManager
 from weir.serve.trajectory import Turn
+from weir.serve.vision_chat import VisionChatFormatter, chat_dicts
 
 log = logging.getLogger("weir.serve")
 
@@ -144,6 +144,7 @@ class ServerState:
         self.model_name = model_name
         self.stop_ids = stop_ids
         self.formatter = ChatFormatter(tokenizer, stop_ids, config.tool_format)
+        self._vision_chat: VisionChatFormatter | None = None
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -187,27 +188,25 @@ class ServerState:
                 params.seed = (forced.seed * 1_000_003 + len(session.turns)) % 2**63
         return params
 
-    def vision_prompt(self, messages: list[ChatMessage]) -> tuple[Prompt, VisionInputs | None]:
-        """Prompt ids and pixels of a chat with `image_url` parts, through the model's processor."""
+    def vision_prompt(
+        self, messages: list[ChatMessage], tools: list[dict] | None, last: Turn | None
+    ) -> tuple[Prompt, VisionInputs | None, list[dict]]:
+        """Prompt ids and pixels of a chat with `image_url` parts, through the model's processor,
+        linked to the session's previous turn `last` when it extends it
+        (`weir.serve.vision_chat`); and the chat as recorded."""
         processor = processor_of(self.tokenizer)
         if processor is None:
             raise ApiError(400, "this model takes no images; send text content only")
-        chat = [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": [p.model_dump() for p in m.content]
-                if isinstance(m.content, list)
-                else m.text(),
-            }
-            for m in messages
-        ]
-        try:
-            ids, vision = encode_vision_prompt(
-                processor, {"messages": chat}, allow_remote=self.allow_remote_images
+        if self._vision_chat is None:
+            self._vision_chat = VisionChatFormatter(
+                processor, self.stop_ids, self.config.tool_format, self.allow_remote_images
             )
+        chat = chat_dicts(messages)
+        try:
+            prompt, vision = self._vision_chat.vision_prompt(chat, tools, last)
         except BadRow as err:
             raise ApiError(400, str(err).removeprefix("row, ")) from None
-        return Prompt(ids, "start"), vision
+        return prompt, vision, chat
 
     async def generate(
         self,
@@ -343,16 +342,12 @@ def create_app(state: ServerState) -> FastAPI:
         tools = req.tools_for_template()
         messages = template_messages(req.messages)
         images = any(m.has_images for m in req.messages)
-        if images and (session is not None or tools):
-            raise ApiError(
-                400, "image_url parts are served without sessions or tools; send them to /v1 alone"
-            )
         async with _maybe_lock(session):
             last = session.last_turn if session is not None else None
             vision = None
             try:
-                if images:
-                    prompt, vision = state.vision_prompt(req.messages)
+                if images or (last is not None and last.vision is not None):
+                    prompt, vision, messages = state.vision_prompt(req.messages, tools, last)
                 else:
                     prompt = state.formatter.prompt(messages, tools, last)
             except (TemplateError, ValueError) as err:  # messages the template cannot render
@@ -379,6 +374,7 @@ def create_app(state: ServerState) -> FastAPI:
                         link=prompt.link,
                         messages=messages + [history_message(content, calls)],
                         output={"tools": tools, "tool_call_errors": errors},
+                        vision=vision,
                     )
                 )
         return chat_response(state, req, prompt.ids, choices, parsed)
@@ -437,7 +433,11 @@ def create_app(state: ServerState) -> FastAPI:
             "id": target.id,
             "reward": target.reward,
             "segments": [
-                {k: (v.value if k == "status" else v) for k, v in asdict(s).items() if k in keys}
+                {
+                    **{k: getattr(s, k) for k in keys if k != "status"},
+                    "status": s.status.value,
+                    "images": s.vision.images if s.vision is not None else [],
+                }
                 for s in samples
             ],
         }

@@ -12,7 +12,9 @@ A segment becomes one `Sample`:
     loss_mask    = 1 on every r token, 0 on every x token
     rollout_logprobs / versions: the engine's values on r tokens, 0.0 / -1 on x tokens
 
-so the trainer sees exactly the token sequence the engine conditioned on at every turn.
+so the trainer sees exactly the token sequence the engine conditioned on at every turn. A
+vision-language session's sample carries the pixels of the segment's last prompt (which holds every
+image of the segment, in order: `weir.serve.vision_chat`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weir.data.sample import Sample, Status
+from weir.data.vision import VisionInputs
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -39,6 +42,7 @@ class Turn:
     messages: list[dict[str, Any]] | None = None  # chat history the client sent, if a chat call
     output: dict[str, Any] = field(default_factory=dict)  # what the client received
     sampled_logprobs: list[float] | None = None  # under top-k/top-p truncation (see engine.base)
+    vision: VisionInputs | None = None  # the prompt's pixels: every image of the segment so far
 
     @property
     def context(self) -> list[int]:
@@ -95,5 +99,6 @@ def segment_sample(turns: list[Turn], **fields: Any) -> Sample:
         behavior_logprobs=behavior if any(t.sampled_logprobs is not None for t in turns) else None,
         versions=versions,
         status=status,
+        vision=turns[-1].vision,  # the last prompt holds every image of the segment
         **fields,
     )

@@ -18,6 +18,7 @@ from weir.tasks import (
     code,
     countdown,
     gsm8k,
+    gui,
     humaneval,
     proposer_checker,
     relay,
@@ -61,6 +62,7 @@ TASKS: dict[str, TaskSpec] = {
         proposer_checker,
         relay,
         shapes,
+        gui,
     )
 }
 

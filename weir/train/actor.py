@@ -22,6 +22,7 @@ from weir.telemetry.timeline import span
 from weir.train.actor_hooks import ProcessHooks
 from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
 from weir.train.batch import TrainBatch
+from weir.train.credit import step_advantages
 from weir.train.fuse import apply_fusion
 from weir.train.layout_cost import LayoutChoice
 from weir.train.memory_plan import planned_train_config
@@ -317,14 +318,16 @@ class Actor(ProcessHooks):
                     "train/empty_steps": 1.0,
                     "time/train": time.perf_counter() - start,
                 }
-        adv = algo.compute_advantages(
+        adv = step_advantages(  # the estimator, or algo.credit's two-level rule
+            self.acfg.credit,
             self.advantage_fn,
+            batch.samples,
             batch.rewards,
             mask,
             batch.group_ids,
             token_rewards=token_rewards,
-            **values,
-            **self.acfg.advantage_options,
+            values=values.get("values"),
+            options=self.acfg.advantage_options,
         )
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
