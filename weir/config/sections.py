@@ -551,3 +551,8 @@ class LoraConfig(Section):
     engine log-probs never see it (so with dropout > 0 the first update's ratio is not exactly 1)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(rank) instead of alpha / rank."""
+    sync: Literal["merged", "adapter"] = "merged"
+    """What the engines get after each step: `merged` weights W + s B A under the base model's
+    names (any engine; the whole model's bytes), or the `adapter` alone (A and B, a peft adapter
+    directory loaded by vLLM's runtime LoRA endpoint, the server started with --enable-lora;
+    engine.type=vllm). docs/lora.md compares the bytes each moves."""

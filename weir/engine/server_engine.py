@@ -31,7 +31,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,6 +120,10 @@ class ServerEngine(Recovery):
             (None until the first update: the server starts with the initial weights).
         watch_s: how often the processes weir started are checked for having died (0: never; a
             dead server is then noticed by the next request sent to it).
+
+    `restore`, when set (`weir.sync.server_sync.ServerSync.restore`), gives a restarted server the
+    current weights instead of `restore_weights`: ``restore(index)`` blocks until it has them, or
+    raises `WeightsNotReady`, and the server then waits in `awaiting` for the next update.
     """
 
     def __init__(
@@ -151,6 +155,8 @@ class ServerEngine(Recovery):
         self.restart = restart
         self.max_retries = max_retries
         self.restore_path: str | None = None
+        self.restore: Callable[[int], None] | None = None
+        self.awaiting: set[int] = set()  # restarted, waiting for the next weight update
         self._rng = random.Random(seed)
         self.outstanding = [0] * len(self.replicas)
         self.healthy = [True] * len(self.replicas)
@@ -223,6 +229,36 @@ class ServerEngine(Recovery):
         """Load a safetensors (HF) directory the servers can read, then set `version`."""
         await self._in_loop(self._load(str(path), version))
 
+    def update_with_sync(
+        self, load: Callable[[list[tuple[int, Replica]]], Coroutine], version: int
+    ) -> None:
+        """Pause, run ``await load(replicas)`` in the engine's loop (the live replicas and those
+        waiting for weights, `awaiting`, with their indices; it must leave every one of them
+        holding the new weights), set `version`, resume. The hook of weight transports other than
+        a directory (`weir.sync.server_sync`)."""
+        self._call(self._load_with(load, version, path=None))
+
+    def update_adapter_sync(self, path: str | Path, name: str, version: int) -> None:
+        """Load the LoRA adapter directory `path` into every server as `name` (the previous one
+        unloaded) and run requests with it from then on (lora.sync=adapter; vLLM), then set
+        `version`."""
+        old = getattr(self.backend, "adapter", None)
+
+        async def load(replicas: list[tuple[int, Replica]]) -> None:
+            await asyncio.gather(
+                *(
+                    self.backend.load_adapter(self._client, r.url, str(path), name, old)
+                    for _, r in replicas
+                )
+            )
+            self.backend.adapter = name
+
+        self._call(self._load_with(load, version, path=None))
+
+    def run(self, coro: Coroutine) -> Any:
+        """Run `coro` in the engine's loop (where its HTTP client lives) and wait for its result."""
+        return self._call(coro)
+
     async def pause(self) -> None:
         await self._in_loop(self._pause())
 
@@ -238,6 +274,9 @@ class ServerEngine(Recovery):
     def update_weights_sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         path = self._write(named, version)
         self._call(self._load(path, version))
+
+    def update_weights_from_disk_sync(self, path: str | Path, version: int) -> None:
+        self._call(self._load(str(path), version))
 
     def pause_sync(self) -> None:
         self._call(self._pause())
@@ -526,19 +565,31 @@ class ServerEngine(Recovery):
 
     async def _load(self, path: str, version: int) -> None:
         """Pause, load `path` into every healthy server, set `version`, resume (if it was running)."""
+
+        async def from_disk(replicas: list[tuple[int, Replica]]) -> None:
+            await asyncio.gather(
+                *(self.backend.load_from_disk(self._client, r.url, path) for _, r in replicas)
+            )
+
+        await self._load_with(from_disk, version, path=path)
+
+    async def _load_with(self, load: Callable, version: int, *, path: str | None) -> None:
         async with self._control:
             was_running = self._running.is_set()
             await self._pause()
             try:
                 if self.sleeping:
                     await self._wake_servers()
-                await asyncio.gather(
-                    *(
-                        self.backend.load_from_disk(self._client, r.url, path)
-                        for i, r in enumerate(self.replicas)
-                        if self.healthy[i]
-                    )
-                )
+                targets = [
+                    (i, r)
+                    for i, r in enumerate(self.replicas)
+                    if self.healthy[i] or i in self.awaiting
+                ]
+                await load(targets)
+                for i, _ in targets:
+                    if i in self.awaiting:
+                        self.awaiting.discard(i)
+                        self.healthy[i] = True
                 self.restore_path = path
                 self.version = version
             finally:

@@ -91,8 +91,10 @@ class Components:
             return save_final_model(self.model, self.tokenizer, run_dir)
         from weir.train.sharded_checkpoint import save_model_files
 
-        self.trainer.save_hf(str(out), self.trainer.cluster.bucket_mb)
-        return save_model_files(self.model, self.tokenizer, out)
+        for role in self.cluster.roles or ("",):  # separate policies: <run>/model/<role>
+            self.trainer.save_hf(str(out / role), self.trainer.cluster.bucket_mb, role)
+            save_model_files(self.model, self.tokenizer, out / role)
+        return out
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
@@ -278,6 +280,53 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
     return engine
 
 
+def server_engine(
+    cfg: Config,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_path: str,
+    run_dir: Path,
+    role: str = "",
+    share: tuple[int, int] = (0, 1),
+) -> Any:
+    """vLLM / SGLang servers of one policy as child processes of this one (or attached: group
+    `share[0]` of `share[1]` takes its equal share of `engine.urls`, in role order)."""
+    from weir.engine.remote import start_engine_servers
+
+    index, groups = share
+    per = len(cfg.engine.urls) // groups
+    urls = cfg.engine.urls[index * per : (index + 1) * per]
+    lora = cfg.lora
+    return start_engine_servers(
+        cfg.engine.model_copy(update={"urls": urls}),
+        model_path,
+        run_dir / "engine" / role if role else run_dir / "engine",
+        eos_token_ids(model, tokenizer),
+        dtype=str(engine_placement(cfg, model)[1]).removeprefix("torch."),
+        seed=cfg.run.seed,
+        lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else None,
+    )
+
+
+def policy_engine(
+    cfg: Config, model: torch.nn.Module, tokenizer: Any, path: str, role: str, *, run_dir: Path
+) -> Any:
+    """One role's engine (multi_agent.policies=separate, one process): the built-in engine on its
+    model, or its own vLLM / SGLang servers; attached servers are given the role's weights."""
+    if cfg.engine.type == "torch":
+        return make_engine(cfg, model, tokenizer)
+    names = [r.name for r in cfg.multi_agent.roles]
+    engine = server_engine(
+        cfg, model, tokenizer, path, run_dir, role, (names.index(role), len(names))
+    )
+    if cfg.engine.urls:
+        from weir.train.lora import is_lora, merged_weights
+
+        weights = merged_weights(model) if is_lora(model) else model.named_parameters()
+        engine.update_weights_sync(weights, 0)
+    return engine
+
+
 def _local_replicas(count: int, model: torch.nn.Module, options: dict, seed: int) -> Any:
     """`count` engine processes on `model` (each child copies it) behind one engine.
 
@@ -405,7 +454,14 @@ def build(
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
         from weir.loop.ray_build import build_ray
 
-        ray_parts = build_ray(cfg, run_dir, run_model_path(cfg, run_dir))
+        ray_parts = build_ray(
+            cfg,
+            run_dir,
+            run_model_path(cfg, run_dir),
+            eos_token_ids(model, tokenizer),
+            roles=ray_roles(cfg, run_dir) if separate_policies(cfg) else None,
+            critic_path=critic_model_path(cfg, run_dir),
+        )
         trainer, engine = ray_parts.trainer, ray_parts.router
     elif separate_policies(cfg):  # a model, trainer and engine per role
         policies = build_role_policies(
@@ -414,8 +470,8 @@ def build(
             model,
             tokenizer,
             run_model_path(cfg, run_dir),
-            make_engine,
-            run_selfcheck if cfg.model.selfcheck else None,
+            partial(policy_engine, run_dir=run_dir),
+            run_selfcheck if cfg.model.selfcheck and cfg.engine.type == "torch" else None,
         )
         trainer, engine = policies.trainer, policies.engine
     else:
@@ -437,16 +493,7 @@ def build(
                     engine.close()
                     raise
         else:  # vllm / sglang servers, in their own processes
-            from weir.engine.remote import start_engine_servers
-
-            engine = start_engine_servers(
-                cfg.engine,
-                run_model_path(cfg, run_dir),
-                run_dir / "engine",
-                eos_token_ids(model, tokenizer),
-                dtype=str(engine_placement(cfg, model)[1]).removeprefix("torch."),
-                seed=cfg.run.seed,
-            )
+            engine = server_engine(cfg, model, tokenizer, run_model_path(cfg, run_dir), run_dir)
             if cfg.engine.urls:  # attached servers may hold other weights: load the trainer's
                 engine.update_weights_sync(trainer.weights(), 0)
     try:
@@ -468,11 +515,41 @@ def separate_policies(cfg: Config) -> bool:
     return bool(cfg.multi_agent.roles) and cfg.multi_agent.policies == "separate"
 
 
+def ray_roles(cfg: Config, run_dir: Path) -> dict[str, str]:
+    """multi_agent.policies=separate on Ray: each role's model directory (built here for a
+    `tiny:` model), for the ranks to load."""
+    from weir.loop.role_policies import role_model_path
+
+    return {r.name: role_model_path(cfg, run_dir, r) for r in cfg.multi_agent.roles}
+
+
+def critic_model_path(cfg: Config, run_dir: Path) -> str | None:
+    """`critic.model_path` resolved (a `tiny:` model built next to the run), or None."""
+    c = cfg.critic
+    if cfg.algo.advantage != "gae" or c.model_path is None or c.shared_backbone:
+        return None
+    return resolve_model_path(
+        c.model_path, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed
+    )
+
+
 def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | None:
-    """PPO's critic when algo.advantage=gae (the config refuses it on Ray), else None."""
+    """PPO's critic when algo.advantage=gae in one process, else None (on Ray each trainer rank
+    holds its shard of the critic, weir.train.rank_build)."""
     if cfg.algo.advantage != "gae":
         return None
+    return policy_critic(cfg, model, run_dir)
+
+
+def policy_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic:
+    """The critic of the policy `model`: its own copy of the policy's initial backbone (of the
+    base model without adapters for LoRA, as trainer ranks build it), `critic.model_path`'s, or
+    with `critic.shared_backbone` the policy's own."""
+    from weir.train.lora import is_lora, merged_model
+
     settings = CriticSettings.from_config(cfg)
+    if is_lora(model) and not settings.critic.shared_backbone:
+        model = merged_model(model)  # B = 0 at the start: the base model's weights, no adapters
     build_dir = run_dir.parent / ".models"
     value_model = load_value_model(
         settings, model, build_dir, arch=cfg.model.arch, seed=cfg.model.init_seed

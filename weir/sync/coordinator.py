@@ -50,6 +50,8 @@ class WeightSync:
         host_handles: engines on rank 0's host (both on the CPU) take buckets by shared-memory
             handle instead of the broadcast group (colocated placement). Engines on rank 0's GPU
             always take CUDA IPC handles.
+        role: the policy whose weights these engines run (multi_agent.policies=separate), "" for
+            the one policy.
     """
 
     def __init__(
@@ -63,7 +65,9 @@ class WeightSync:
         backend: str = "gloo",
         dtype: str | None = None,
         host_handles: bool = False,
+        role: str = "",
     ) -> None:
+        self.role = role
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"cluster.weight_sync: unknown transport {transport!r}; use one of {TRANSPORTS}"
@@ -102,7 +106,7 @@ class WeightSync:
                 self._members = None
                 nbytes = self._stream(self._answering(self.router.live()), version)
         else:
-            metas = self.trainer.call("gather")[0]
+            metas = self.trainer.call("gather", self.role)[0]
             gathered = time.perf_counter()
             nbytes = sum(m.nbytes for m in metas)
             try:
@@ -147,7 +151,7 @@ class WeightSync:
 
     def _layout(self) -> list[list[TensorMeta]]:
         if self._buckets is None:
-            metas = self.trainer.get([self.trainer.rank0.layout.remote(self.dtype)])[0]
+            metas = self.trainer.get([self.trainer.rank0.layout.remote(self.dtype, self.role)])[0]
             self._buckets = plan_buckets(metas, self.bucket_bytes)
         return self._buckets
 
@@ -163,7 +167,9 @@ class WeightSync:
         recv = [actors[i].receive.remote(buckets, version) for i in self._members or ()]
         recv += [a.receive_shared.remote(buckets, version) for a in shared]
         sent = self.trainer.collective(
-            lambda r, rank: rank.stream.remote(buckets, shared if r == 0 else [], version)
+            lambda r, rank: rank.stream.remote(
+                buckets, shared if r == 0 else [], version, self.role
+            )
         )[0]
         ray.get(recv)
         return sent

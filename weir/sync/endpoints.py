@@ -24,7 +24,14 @@ from weir.sync.disk import DiskStore
 from weir.sync.handles import Handle, open_handle, share
 from weir.sync.hashing import weights_hash
 from weir.sync.host_memory import peak_rss, reset_peak_rss, rss
-from weir.sync.shards import gather_buckets, sharded_hash, unique_tensors, wire_metas
+from weir.sync.shards import (
+    full_tensor,
+    gather_buckets,
+    sharded_digest,
+    sharded_hash,
+    unique_tensors,
+    wire_metas,
+)
 from weir.train.batch import TrainBatch
 from weir.train.distributed import TrainerRank, free_port
 from weir.train.offload import host_bytes, move_trainer
@@ -97,37 +104,55 @@ class SyncTrainerRank(TrainerRank):
     def load_hf(self, model_dir: str) -> None:
         self._on_device("load_hf", model_dir)
 
-    def save_hf(self, out: str, bucket_mb: float) -> list[str]:
-        return self._on_device("save_hf", out, bucket_mb)
+    def _movables(self) -> list[tuple[list[torch.nn.Module], Any]]:
+        """(modules, optimizer) of every model this rank holds: each policy with its reference,
+        each critic."""
+        out = []
+        for role, a in self.policies.items():
+            ref = a.ref if isinstance(a.ref, torch.nn.Module) else None  # LoRA: adapters off
+            out.append(([a.model, ref], a.optimizer))
+            if role in self.critics:
+                c = self.critics[role]
+                out.append(([c.model], c.optimizer))
+        return out
 
     def offload(self, *, keep_params: bool = False) -> int:
-        """Colocated on a GPU: move the parameter shards (unless `keep_params`), the reference
-        model's and the optimizer state to host memory, and free the gradients (the next step
+        """Colocated on a GPU: move the parameter shards (unless `keep_params`: the policies'), the
+        references' and the optimizer state to host memory, and free the gradients (the next step
         zeroes them before its backward, so moving them would copy dead values both ways). A
         weight sync works either way: it moves each offloaded shard to the device as it gathers
         it. Returns the bytes moved; 0 when not colocated or on the CPU."""
-        if not self._offloads or self.actor is None:
+        if not self._offloads or not self.policies:
             return 0
-        a = self.actor
-        a.optimizer.zero_grad(set_to_none=True)
-        modules = [a.ref] if keep_params else [a.model, a.ref]
         pinned = self.settings.cluster.offload_pinned
-        return move_trainer(modules, a.optimizer, torch.device("cpu"), pinned=pinned)
+        moved = 0
+        policies = {id(a.model) for a in self.policies.values()}
+        for modules, optimizer in self._movables():
+            optimizer.zero_grad(set_to_none=True)
+            if keep_params:
+                modules = [m for m in modules if m is None or id(m) not in policies]
+            moved += move_trainer(modules, optimizer, torch.device("cpu"), pinned=pinned)
+        return moved
 
     def onload(self) -> int:
         """Undo `offload` (before training); returns the bytes moved."""
-        if not self._offloads or self.actor is None:
+        if not self._offloads or not self.policies:
             return 0
-        a = self.actor
         pinned = self.settings.cluster.offload_pinned
-        return move_trainer([a.model, a.ref], a.optimizer, torch.device(self.device), pinned=pinned)
+        device = torch.device(self.device)
+        return sum(
+            move_trainer(modules, optimizer, device, pinned=pinned)
+            for modules, optimizer in self._movables()
+        )
 
     def device_memory(self) -> dict[str, int]:
         """CUDA memory this process holds (allocated / reserved by torch), and the bytes of its
         parameters and optimizer state in host memory, pinned or not (`host_bytes`); device
         figures are zeros on CPU."""
-        a = self.actor
-        host = host_bytes([a.model, a.ref], a.optimizer) if a is not None else {}
+        host: dict[str, int] = {}
+        for modules, optimizer in self._movables():
+            for k, v in host_bytes(modules, optimizer).items():
+                host[k] = host.get(k, 0) + v
         if not self.device.startswith("cuda"):
             return {"allocated": 0, "reserved": 0, **host}
         return {
@@ -136,17 +161,24 @@ class SyncTrainerRank(TrainerRank):
             **host,
         }
 
-    def _sharded(self) -> dict[str, torch.Tensor]:
-        """This rank's shards by name (DTensors; no gather), tied tensors once."""
+    def _sharded(self, role: str = "") -> dict[str, torch.Tensor]:
+        """What the engines of `role` load, by name, as this rank's shards (DTensors; no gather),
+        tied tensors once: the policy's weights, or a LoRA policy's merged ones (`Derived`)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        assert self.actor is not None, "setup() first"
-        return unique_tensors(get_model_state_dict(self.actor.model))
+        from weir.train.lora import is_lora
 
-    def layout(self, dtype: str | None = None) -> list[TensorMeta]:
-        """Names and full shapes of the weights an engine loads, floating tensors in `dtype` (the
-        engines' dtype; None keeps the trainer's)."""
-        return wire_metas(self._sharded(), getattr(torch, dtype) if dtype else None)
+        model = self.policy(role).model
+        if is_lora(model):
+            from weir.sync.lora_wire import merged_wire_state
+
+            return unique_tensors(merged_wire_state(model))
+        return unique_tensors(get_model_state_dict(model))
+
+    def layout(self, dtype: str | None = None, role: str = "") -> list[TensorMeta]:
+        """Names and full shapes of the weights `role`'s engines load, floating tensors in `dtype`
+        (the engines' dtype; None keeps the trainer's)."""
+        return wire_metas(self._sharded(role), getattr(torch, dtype) if dtype else None)
 
     def device_key(self) -> tuple[str, str]:
         return device_key(torch.device(self.device))
@@ -156,14 +188,31 @@ class SyncTrainerRank(TrainerRank):
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def join(self, host: str, port: int, size: int, name: str, backend: str) -> None:
-        self._group = BroadcastGroup(host, port, 0, size, backend=backend, name=name)
+    def join(
+        self,
+        host: str,
+        port: int,
+        size: int,
+        name: str,
+        backend: str,
+        style: str = "weir",
+        per_tensor: bool = False,
+    ) -> None:
+        """Rank 0: become the root of a new weight-broadcast group (`BroadcastGroup`) of `size`
+        members; returns once every member joined."""
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup(
+            host, port, 0, size, backend=backend, name=name, style=style, per_tensor=per_tensor
+        )
 
     def leave(self) -> None:
         """No broadcast group (every engine takes handles)."""
         self._group = None
 
-    def stream(self, buckets: list[list[TensorMeta]], shared: list[Any], version: int) -> int:
+    def stream(
+        self, buckets: list[list[TensorMeta]], shared: list[Any], version: int, role: str = ""
+    ) -> int:
         """Collective over the trainer ranks: gather bucket after bucket from the shards; rank 0
         broadcasts each to its group and hands it to the engine actors in `shared` (same device) by
         memory handle, waiting until they copied it. Returns the bytes rank 0 delivered. Offloads
@@ -172,17 +221,18 @@ class SyncTrainerRank(TrainerRank):
         sent = 0
         error: Exception | None = None
         try:
-            for flat in gather_buckets(
-                self._sharded(),
+            flats = gather_buckets(
+                self._sharded(role),
                 buckets,
                 torch.device(self.device),
                 root=root,
                 shareable=root and bool(shared),
-            ):
+            )
+            for bucket, flat in zip(buckets, flats, strict=True):
                 if flat is None or error is not None:
                     continue  # after a failed send rank 0 still takes part in the gathers
                 try:
-                    self._deliver(flat, shared, version)
+                    self._deliver(flat, bucket, shared, version)
                 except Exception as err:  # an engine died: the driver retries with the live ones
                     error = err
                 sent += flat.numel() * flat.element_size()
@@ -193,12 +243,14 @@ class SyncTrainerRank(TrainerRank):
             raise RuntimeError(f"weight sync: delivery failed ({error})")
         return sent
 
-    def _deliver(self, flat: torch.Tensor, shared: list[Any], version: int) -> None:
+    def _deliver(
+        self, flat: torch.Tensor, bucket: list[TensorMeta], shared: list[Any], version: int
+    ) -> None:
         """One bucket to the broadcast group and, by memory handle, to the engines in `shared`."""
         import ray
 
         if self._group is not None:
-            self._group.send_flat(flat)
+            self._group.send_flat(flat, bucket)
         if shared:
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
@@ -206,10 +258,15 @@ class SyncTrainerRank(TrainerRank):
             refs = [e.put_shared.remote(handle, version) for e in shared]
             ray.get(refs, timeout=HANDLE_TIMEOUT_S)
 
-    def gather(self) -> list[TensorMeta]:
-        """Collective: rank 0 keeps the full weights (host memory) until `release` and returns their
-        layout; the other ranks return []. For the disk and object-store transports only."""
-        state = self.full_state()
+    def gather(self, role: str = "") -> list[TensorMeta]:
+        """Collective: rank 0 keeps the full weights of `role`'s engines (host memory) until
+        `release` and returns their layout; the other ranks return []. For the disk and
+        object-store transports only."""
+        device = torch.device(self.device)
+        try:
+            state = {k: full_tensor(v, device).to("cpu") for k, v in self._sharded(role).items()}
+        finally:
+            self.offload()
         if self.rank != 0:
             return []
         self._full = state
@@ -227,16 +284,68 @@ class SyncTrainerRank(TrainerRank):
         assert self._full is not None
         return str(DiskStore(root).write(self._full, version))
 
-    def weights_hash(self, dtype: str | None = None) -> str:
+    def weights_hash(self, dtype: str | None = None, role: str = "") -> str:
         """Collective: `weights_hash` of the full weights as the engines get them (tied tensors
-        under both names), gathered one tensor at a time."""
+        under both names; a LoRA policy's merged), gathered one tensor at a time."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        assert self.actor is not None, "setup() first"
-        state = get_model_state_dict(self.actor.model)
+        from weir.train.lora import is_lora
+
+        model = self.policy(role).model
+        if is_lora(model):
+            from weir.sync.lora_wire import merged_wire_state
+
+            state = merged_wire_state(model)
+        else:
+            state = get_model_state_dict(model)
         return sharded_hash(
             state, torch.device(self.device), getattr(torch, dtype) if dtype else None
         )
+
+    def weights_digest(self, dtype: str | None = None, role: str = "") -> str:
+        """Collective: the digest of the weights as the engines get them (tied tensors once, as
+        they travel), gathered one tensor at a time (`weir.sync.shards.sharded_digest`)."""
+        return sharded_digest(
+            self._sharded(role), torch.device(self.device), getattr(torch, dtype) if dtype else None
+        )
+
+    def save_hf(self, out: str, bucket_mb: float, role: str = "") -> list[str]:
+        """Collective: as `TrainerRank.save_hf`; a LoRA policy's weights merged (W + s B A, what the
+        engines run), under the base model's names."""
+        from weir.train.lora import is_lora
+
+        model = self.policy(role).model
+        if not is_lora(model):
+            return self._on_device("save_hf", out, bucket_mb, role)
+        from weir.sync.lora_wire import merged_wire_state
+        from weir.train.meta_init import write_hf_weights
+
+        device = torch.device(self.device)
+        self.onload()
+        try:
+            return write_hf_weights(
+                None,
+                out,
+                write=self.rank == 0,
+                bucket_bytes=int(bucket_mb * 2**20),
+                tensors=unique_tensors(merged_wire_state(model)),
+                full=lambda t: full_tensor(t, device),
+            )
+        finally:
+            self.offload()
+
+    def write_adapter(self, out: str, role: str = "") -> int:
+        """Collective: `role`'s LoRA adapter gathered and written by rank 0 as a peft adapter
+        directory at `out` (weir.sync.lora_wire); returns its bytes."""
+        from weir.sync.lora_wire import write_adapter
+
+        self.onload()
+        try:
+            return write_adapter(
+                self.policy(role).model, out, torch.device(self.device), self.rank == 0
+            )
+        finally:
+            self.offload()
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory now and at its peak since `reset_memory_peak` (bytes)."""

@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,13 +29,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from weir.config import Config
-from weir.config.sections import ClusterConfig, TrainConfig
+from weir.config.sections import ClusterConfig, LoraConfig, TrainConfig
 from weir.train.actor import ActorSettings
 from weir.train.batch import TrainBatch
-from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.precision import Precision, setup_device
-from weir.train.sharded_actor import ShardedActor, shard_model
+from weir.train.sharded_actor import ShardedActor
 from weir.train.sharded_checkpoint import load_shards, save_shards
+
+if TYPE_CHECKING:
+    from weir.train.critic import CriticSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class RankSettings:
     seed: int = 0
     deterministic: bool = False
     cudnn_attention: bool = False
+    lora: LoraConfig | None = None  # lora.enabled: adapters on every policy (weir.train.rank_build)
+    critic: CriticSettings | None = None  # algo.advantage=gae: a critic per policy
+    critic_path: str | None = None  # critic.model_path, resolved by the driver
+    roles: tuple[tuple[str, str], ...] = ()  # policies=separate: (role, its model directory)
 
     @property
     def train(self) -> TrainConfig:
@@ -76,6 +81,10 @@ class RankSettings:
 
     @classmethod
     def from_config(cls, cfg: Config) -> RankSettings:
+        """The settings of `cfg`; model paths of roles and critic (`roles`, `critic_path`) are
+        the driver's to resolve and add (`dataclasses.replace`)."""
+        from weir.train.critic import CriticSettings
+
         return cls(
             actor=ActorSettings.from_config(cfg),
             cluster=cfg.cluster,
@@ -83,6 +92,8 @@ class RankSettings:
             seed=cfg.run.seed,
             deterministic=cfg.run.deterministic,
             cudnn_attention=cfg.model.cudnn_attention,
+            lora=cfg.lora if cfg.lora.enabled else None,
+            critic=CriticSettings.from_config(cfg) if cfg.algo.advantage == "gae" else None,
         )
 
 
@@ -101,8 +112,21 @@ class TrainerRank:
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here
         self.device = "cuda:0" if settings.cluster.trainer.gpus_per_rank > 0 else "cpu"
         torch.set_num_threads(settings.threads)
-        self.actor: ShardedActor | None = None
+        self.policies: dict[str, ShardedActor] = {}  # "" for the one policy, else by role
+        self.critics: dict[str, Any] = {}  # algo.advantage=gae: each policy's critic
         self.start: dict[str, float] = {}
+
+    @property
+    def actor(self) -> ShardedActor | None:
+        """The policy of a run with one (the first role's with separate policies)."""
+        return next(iter(self.policies.values()), None)
+
+    def policy(self, role: str = "") -> ShardedActor:
+        """The policy of `role` ("" with one policy)."""
+        try:
+            return self.policies[role]
+        except KeyError:
+            raise KeyError(f"trainer rank {self.rank} has no policy {role!r}") from None
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address (this node's IP and a free port)."""
@@ -111,7 +135,9 @@ class TrainerRank:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, host: str, port: int) -> int:
-        """Join the trainer group and build the sharded actor; returns this rank."""
+        """Join the trainer group and build the sharded policies (and critics); returns this rank."""
+        from weir.train.rank_build import build_critic, build_policy
+
         on_gpu = self.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
         precision = Precision.from_config(self.settings.train, device=self.device)
@@ -127,69 +153,13 @@ class TrainerRank:
             world_size=self.world,
         )
         torch.manual_seed(self.settings.seed)
-        self.actor = self._build(precision.param_dtype)
+        dtype = precision.param_dtype
+        paths = dict(self.settings.roles) or {"": self.model_path}
+        for role, path in paths.items():
+            self.policies[role] = build_policy(self, path, dtype)
+            if self.settings.critic is not None:
+                self.critics[role] = build_critic(self, path, dtype)
         return self.rank
-
-    def _build(self, dtype: torch.dtype) -> ShardedActor:
-        """The sharded actor, started on the meta device with only this rank's shard read from
-        disk; a model whose loading converts weights is loaded whole, as one process would.
-
-        `start["peak_rss_mb"]` is the peak resident-memory growth from the moment the (weightless)
-        model exists to the actor's being ready: what the weights cost this rank."""
-        from weir.train.meta_init import build_on_meta, disk_layout, layout_mismatch
-
-        layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
-        model = build_on_meta(self.model_path, dtype)  # imports the model's code, holds no weights
-        why = layout_mismatch(model, layout)
-        baseline = reset_peak_rss()
-        try:
-            if why is None:
-                return self._from_shards(model, dtype, layout)
-            print(
-                f"weir: trainer rank {self.rank} loads the whole model ({why}); "
-                "the meta-device start reads only a rank's shard",
-                file=sys.stderr,
-            )
-            from weir.train.model import load_model
-
-            self.start["meta"] = 0.0
-            return ShardedActor(
-                load_model(self.model_path, dtype, self.device)[0],
-                self.settings.actor,
-            )
-        finally:
-            self.start["peak_rss_mb"] = peak_rss_since(baseline) / 2**20
-
-    def _from_shards(
-        self, model: torch.nn.Module, dtype: torch.dtype, layout: dict
-    ) -> ShardedActor:
-        from weir.train.meta_init import build_on_meta, load_local_shards, materialize
-
-        compute = Precision.from_config(self.settings.train, device=self.device).compute_dtype
-        offload = self.settings.train.offload_optimizer
-        where = "cpu" if offload else self.device  # FSDP2's CPU offload keeps shards on the host
-        read = 0
-
-        def start(meta: torch.nn.Module) -> torch.nn.Module:
-            nonlocal read
-            shard_model(
-                meta, compute_dtype=compute, offload=offload, device=torch.device(self.device)
-            )
-            materialize(meta, where)
-            read += load_local_shards(meta, layout)
-            return meta
-
-        actor_model = start(model)
-        reference = None
-        if (
-            self.settings.actor.algo.kl.coef > 0
-        ):  # the frozen initial policy, sharded and read the same way
-            reference = start(build_on_meta(self.model_path, dtype)).eval().requires_grad_(False)
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
-        self.start.update(
-            meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20
-        )
-        return ShardedActor(actor_model, self.settings.actor, reference=reference)
 
     def start_stats(self) -> dict[str, float]:
         """How this rank started: `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
@@ -198,8 +168,13 @@ class TrainerRank:
         return dict(self.start)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        assert self.actor is not None, "setup() first"
-        return self.actor.train(batch)
+        """One RL step: the policy (with its critic), or each role's on that role's rows."""
+        assert self.policies, "setup() first"
+        if self.settings.roles:
+            from weir.train.role_trainer import RoleTrainer
+
+            return RoleTrainer(self.policies, self.critics).train(batch)
+        return self.policy().train(batch, critic=self.critics.get(""))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU weights on rank 0, {} elsewhere; every rank must call it."""
@@ -265,22 +240,25 @@ class TrainerRank:
     def save(self, path: str) -> dict[str, dict[str, Any]]:
         """Sharded checkpoint of model, optimizer, schedule and counters: every rank writes its own
         shards and returns their manifest entries (weir.train.sharded_checkpoint)."""
-        assert self.actor is not None
-        return save_shards(self.actor, path, self.rank)
+        assert self.policies, "setup() first"
+        policies = self.policies if self.settings.roles else self.policy()
+        return save_shards(policies, path, self.rank, self.critics)
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (the same number of ranks or not: DCP reshards)."""
-        assert self.actor is not None
-        load_shards(self.actor, path)
+        assert self.policies, "setup() first"
+        policies = self.policies if self.settings.roles else self.policy()
+        load_shards(policies, path, self.critics)
 
-    def save_hf(self, out: str, bucket_mb: float) -> list[str]:
-        """Collective: the current weights as HF safetensors files in `out`, gathered one tensor at
-        a time and written by rank 0 in files of about `bucket_mb`; returns the files (rank 0)."""
+    def save_hf(self, out: str, bucket_mb: float, role: str = "") -> list[str]:
+        """Collective: the current weights of `role`'s policy as HF safetensors files in `out`,
+        gathered one tensor at a time and written by rank 0 in files of about `bucket_mb`; returns
+        the files (rank 0)."""
         from weir.train.meta_init import disk_layout, layout_mismatch, write_hf_weights
 
-        assert self.actor is not None
-        model = self.actor.model
-        layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
+        model = self.policy(role).model
+        path = dict(self.settings.roles).get(role, self.model_path)
+        layout = disk_layout(path) if Path(path).is_dir() else {}
         if layout_mismatch(model, layout) is None:
             return write_hf_weights(
                 model, out, write=self.rank == 0, bucket_bytes=int(bucket_mb * 2**20)
@@ -291,7 +269,7 @@ class TrainerRank:
             return []
         from weir.train.meta_init import build_on_meta, materialize
 
-        whole = build_on_meta(self.model_path, next(iter(state.values())).dtype)
+        whole = build_on_meta(path, next(iter(state.values())).dtype)
         materialize(whole, "cpu")
         whole.load_state_dict(state)
         whole.save_pretrained(out, safe_serialization=True)
@@ -404,9 +382,10 @@ class TrainerGroup:
     def load(self, path: str) -> None:
         self.call("load", str(path))
 
-    def save_hf(self, out: str, bucket_mb: float = 512.0) -> list[str]:
-        """The current weights as HF safetensors files in `out` (no config, no tokenizer)."""
-        return self.call("save_hf", str(out), bucket_mb)[0]
+    def save_hf(self, out: str, bucket_mb: float = 512.0, role: str = "") -> list[str]:
+        """The current weights (of `role`'s policy) as HF safetensors files in `out` (no config,
+        no tokenizer)."""
+        return self.call("save_hf", str(out), bucket_mb, role)[0]
 
     def start_stats(self) -> list[dict[str, float]]:
         """Each rank's `TrainerRank.start_stats`, in rank order."""

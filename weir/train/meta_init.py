@@ -162,11 +162,20 @@ def load_local_shards(model: nn.Module, layout: dict[str, tuple[Path, tuple[int,
 
 
 def write_hf_weights(
-    model: nn.Module, out_dir: str | Path, *, write: bool, bucket_bytes: int
+    model: nn.Module | None,
+    out_dir: str | Path,
+    *,
+    write: bool,
+    bucket_bytes: int,
+    tensors: dict[str, Any] | None = None,
+    full: Any = None,
 ) -> list[str]:
     """Collective over the ranks sharding `model`: gather one tensor at a time; the rank with
     `write` packs them into safetensors files of about `bucket_bytes` (with the HF index when there
     are several). Peak memory on the writer: its shard plus one bucket. Returns the files written.
+
+    `tensors` (name -> shard) replaces `model`'s own with `full(t)` gathering each (e.g. a LoRA
+    model's merged weights, weir.sync.lora_wire).
     """
     out = Path(out_dir)
     bucket: dict[str, torch.Tensor] = {}
@@ -183,15 +192,16 @@ def write_hf_weights(
 
     if write:
         out.mkdir(parents=True, exist_ok=True)
-    for name, t in saved_tensors(model).items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    items = tensors if tensors is not None else saved_tensors(model)
+    for name, t in items.items():
+        whole = full(t) if full is not None else t.full_tensor() if hasattr(t, "full_tensor") else t
         if write:
-            bucket[name] = full.detach().to("cpu").contiguous().clone()
+            bucket[name] = whole.detach().to("cpu").contiguous().clone()
             size += bucket[name].nbytes
             total += bucket[name].nbytes
             if size >= bucket_bytes:
                 flush()
-        del full
+        del whole
     if not write:
         return []
     flush()
