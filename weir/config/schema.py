@@ -216,6 +216,12 @@ class Config(Section):
                 f"cluster.engines.gpus={cl.engines.gpus}: a {e} server's tensor parallelism is "
                 "its whole GPUs; use a whole number (or a fraction below 1 for a shared GPU)"
             )
+        if cl.verify_sync and e == "sglang":
+            raise ValueError(
+                "cluster.verify_sync with engine.type=sglang: SGLang reports a parameter only "
+                "truncated (/get_weights_by_name), so what a server loaded cannot be hashed whole; "
+                "set cluster.verify_sync=false"
+            )
         if self.engine.urls and self.multi_agent.policies == "separate" and self.multi_agent.roles:
             roles = len(self.multi_agent.roles)
             if len(self.engine.urls) % roles:
@@ -226,9 +232,12 @@ class Config(Section):
                 )
         if r.top_p < 1.0 or r.top_k > 0:
             raise ValueError(
-                f"engine.type={e} reports log-probs renormalised over the top-k/top-p tokens, not "
-                "weir's full-vocabulary log_softmax(logits / T): set rollout.top_p=1.0 and "
-                "rollout.top_k=0, or use engine.type=torch"
+                f"rollout.top_p / rollout.top_k with engine.type={e}: a {e} server reports one "
+                "log-prob per token, of a kind fixed when it starts (vLLM's --logprobs-mode), and "
+                "under top-k/top-p weir needs two: the truncated distribution's (the behaviour "
+                "policy, algo.behavior_logprobs) and the full vocabulary's (old log-probs, the "
+                "mismatch metrics); set rollout.top_p=1.0 and rollout.top_k=0, or use "
+                "engine.type=torch, which reports both"
             )
 
     @property

@@ -521,6 +521,12 @@ class ClusterConfig(Section):
     """Directory of the disk transport (shared by trainer and engines); default <run dir>/weights."""
     bucket_mb: float = Field(64.0, gt=0)
     """Size of one broadcast bucket of the weight sync."""
+    verify_sync: bool = False
+    """After every weight sync on Ray, check that each engine holds exactly the trainer's weights:
+    a hash of the tensors the engine loaded (weir's engine: its own; a vLLM worker: those it
+    received) against the same hash gathered from the trainer's shards, one tensor at a time. A
+    difference stops the run; `sync/verified` is 1 per verified sync. Costs a hash of the weights
+    on both sides; for checking a new cluster's set-up (NCCL, TP), and in weir's tests."""
     offload_trainer: bool = True
     """With colocate on GPUs: trainer ranks keep parameters, gradients and optimizer state in host
     memory except while they train, so the engines on their GPUs have it to generate."""

@@ -156,6 +156,7 @@ class ServerEngine(Recovery):
         self.max_retries = max_retries
         self.restore_path: str | None = None
         self.restore: Callable[[int], None] | None = None
+        self.verify_loads = False  # servers digest what they load (cluster.verify_sync)
         self.awaiting: set[int] = set()  # restarted, waiting for the next weight update
         self._rng = random.Random(seed)
         self.outstanding = [0] * len(self.replicas)
@@ -567,8 +568,12 @@ class ServerEngine(Recovery):
         """Pause, load `path` into every healthy server, set `version`, resume (if it was running)."""
 
         async def from_disk(replicas: list[tuple[int, Replica]]) -> None:
+            digest = {"digest": True} if self.verify_loads else {}
             await asyncio.gather(
-                *(self.backend.load_from_disk(self._client, r.url, path) for _, r in replicas)
+                *(
+                    self.backend.load_from_disk(self._client, r.url, path, **digest)
+                    for _, r in replicas
+                )
             )
 
         await self._load_with(from_disk, version, path=path)

@@ -159,3 +159,30 @@ class RemoteProcess:
 
         with contextlib.suppress(Exception):  # already gone
             ray.get(self.actor.stop.remote(), timeout=grace_s + 20)
+
+
+def ray_placement(options: Callable[[int], dict[str, Any]]) -> Callable[[MakeProcess, int], list]:
+    """A placement (`weir.engine.remote.Placement`) of server replicas as `ServerHost` actors:
+    replica i with Ray actor options ``options(i)`` (its placement-group bundle, GPUs), all started
+    in parallel; if one does not come up, every one is stopped and the error is its log's tail."""
+
+    def place(launcher: MakeProcess, count: int) -> list:
+        import ray
+
+        from weir.engine.servers import Replica
+
+        host = ray.remote(ServerHost)
+        actors = [
+            host.options(**options(i), max_concurrency=4).remote(launcher, i) for i in range(count)
+        ]
+        try:
+            ray.get([a.check.remote() for a in actors])
+            urls = ray.get([a.start.remote() for a in actors])
+        except BaseException:
+            for a in actors:
+                RemoteProcess(a, "").stop()
+                ray.kill(a)
+            raise
+        return [Replica(url, RemoteProcess(a, url)) for a, url in zip(actors, urls, strict=True)]
+
+    return place

@@ -95,7 +95,7 @@ class SglangBackend:
             raise ServerError(f"SGLang {url}{path} failed: {out.get('message')}")
         return out
 
-    async def load_from_disk(self, client: Any, url: str, path: str) -> None:
+    async def load_from_disk(self, client: Any, url: str, path: str, digest: bool = False) -> None:
         await self._post(client, url, "/update_weights_from_disk", {"model_path": str(path)})
         await self._post(client, url, "/flush_cache")
 
@@ -112,6 +112,7 @@ class SglangBackend:
         "sglang"  # /init_weights_update_group builds the group with init_custom_process_group
     )
     per_tensor = True  # /update_weights_from_distributed receives one broadcast per tensor
+    flushes_on_receive = True  # the last bucket's call flushes the cache itself
 
     async def workers(self, client: Any, url: str) -> int:
         """The server's tensor-parallel size (``/get_server_info``): each TP rank joins the group."""

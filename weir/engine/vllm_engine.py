@@ -95,11 +95,16 @@ class VllmBackend:
             raise ServerError(f"vLLM {url}{path} answered {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
 
-    async def load_from_disk(self, client: Any, url: str, path: str) -> None:
-        await self._post(
-            client, url, "/collective_rpc", method="weir_load_safetensors", args=[str(path)]
-        )
+    async def load_from_disk(self, client: Any, url: str, path: str, digest: bool = False) -> None:
+        await self._rpc(client, url, "weir_load_safetensors", str(path), digest)
         await self._post(client, url, "/reset_prefix_cache")
+
+    async def adapters(self, client: Any, url: str) -> list[str]:
+        """The LoRA adapters the server has loaded (``/v1/models`` lists them beside the model)."""
+        resp = await client.get(url + "/v1/models", timeout=60.0)
+        if resp.status_code >= 400:
+            raise ServerError(f"vLLM {url}/v1/models answered {resp.status_code}")
+        return [m["id"] for m in resp.json().get("data", [])]
 
     async def _rpc(self, client: Any, url: str, method: str, *args: Any, **kwargs: Any) -> list:
         """`method` of weir's worker extension on every worker of the server; one result each."""

@@ -54,7 +54,8 @@ class Components:
     eval_ctx: RolloutContext
     rollout_fn: Callable
     keep: Callable | None
-    sync: Any = None  # cluster.type=ray: the WeightSync from trainer rank 0 to the engine replicas
+    sync: Any = None  # Ray: the weight sync from the trainer ranks to the engines; in one process
+    # only lora.sync=adapter's (weir.sync.adapter_sync), else the engine takes the trainer's tensors
     critic: Critic | None = None  # algo.advantage=gae: PPO's value model
     cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
     policies: Any = None  # multi_agent.policies=separate: weir.loop.role_policies.RolePolicies
@@ -496,11 +497,19 @@ def build(
             engine = server_engine(cfg, model, tokenizer, run_model_path(cfg, run_dir), run_dir)
             if cfg.engine.urls:  # attached servers may hold other weights: load the trainer's
                 engine.update_weights_sync(trainer.weights(), 0)
+    adapters = None
+    if ray_parts is None and cfg.lora.enabled and cfg.lora.sync == "adapter":
+        from weir.sync.adapter_sync import LocalAdapterSync  # LoRA adapters alone to vLLM
+
+        adapters = LocalAdapterSync(trainer, engine, run_dir / "engine" / "adapters")
+        adapters.push(0)
     try:
         parts = _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
         )
         parts.policies = policies
+        if adapters is not None:
+            parts.sync = adapters
         return parts
     except BaseException:
         if ray_parts is not None:

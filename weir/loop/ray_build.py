@@ -25,8 +25,7 @@ from weir.engine.remote import start_engine_servers
 from weir.engine.role_router import RoleRouter
 from weir.engine.router import Router
 from weir.engine.server_engine import ServerEngine
-from weir.engine.server_host import RemoteProcess, ServerHost
-from weir.engine.servers import Replica
+from weir.engine.server_host import ray_placement
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
 from weir.sync.server_sync import ServerSync
@@ -163,32 +162,9 @@ class EngineGroup:
 
     def placement(self) -> Any:
         """Server replicas as `ServerHost` actors on this group's bundles (one per replica, each
-        owning its server process on its node), started in parallel; `weir.engine.remote.Placement`."""
-        cluster, first = self.cluster, self.first_bundle
-
-        def place(launcher: Any, count: int) -> list[Replica]:
-            import ray
-
-            host = ray.remote(ServerHost)
-            actors = [
-                host.options(**cluster.engine_options(first + i), max_concurrency=4).remote(
-                    launcher, i
-                )
-                for i in range(count)
-            ]
-            try:
-                ray.get([a.check.remote() for a in actors])
-                urls = ray.get([a.start.remote() for a in actors])
-            except BaseException:
-                for a in actors:
-                    RemoteProcess(a, "").stop()
-                    ray.kill(a)
-                raise
-            return [
-                Replica(url, RemoteProcess(a, url)) for a, url in zip(actors, urls, strict=True)
-            ]
-
-        return place
+        owning its server process on its node)."""
+        first = self.first_bundle
+        return ray_placement(lambda i: self.cluster.engine_options(first + i))
 
     def urls(self) -> list[str]:
         """`engine.urls` of this group: the list split evenly between the groups, in role order."""
@@ -230,6 +206,7 @@ class EngineGroup:
                 disk_dir=c.sync_dir or self.run_dir / "weights" / (self.role or "policy"),
                 model_dir=self.model_path,
                 role=self.role,
+                verify=c.verify_sync,
             )
             if ecfg.urls or transport == "adapter":
                 sync.push(0)
@@ -272,6 +249,7 @@ class EngineGroup:
             dtype=engine_dtype(cfg),
             host_handles=c.colocate,
             role=self.role,
+            verify=c.verify_sync,
         )
         router.restore = sync.restore
         return router, sync

@@ -122,6 +122,7 @@ class BroadcastGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        self._registered = style == "sglang"  # torch's registry holds it by name until destroyed
         if style == "sglang":
             self.pg = sglang_style_group(host, port, rank, size, backend, name, timeout)
             return
@@ -162,7 +163,10 @@ class BroadcastGroup:
         return flat.numel() * flat.element_size()
 
     def close(self) -> None:
-        """Let go of the process group (its connections close when the last reference goes)."""
+        """Let go of the process group (its connections close when the last reference goes; one
+        built SGLang's way is also taken out of torch's registry of named groups)."""
+        if self._registered and self.pg is not None:
+            dist.destroy_process_group(self.pg)
         self.pg = None
 
     def recv(self, buckets: list[list[TensorMeta]]) -> dict[str, Tensor]:

@@ -52,6 +52,8 @@ class WeightSync:
             always take CUDA IPC handles.
         role: the policy whose weights these engines run (multi_agent.policies=separate), "" for
             the one policy.
+        verify: after each push, check every replica's weights against the trainer's
+            (`cluster.verify_sync`).
     """
 
     def __init__(
@@ -66,8 +68,9 @@ class WeightSync:
         dtype: str | None = None,
         host_handles: bool = False,
         role: str = "",
+        verify: bool = False,
     ) -> None:
-        self.role = role
+        self.role, self.verify = role, verify
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"cluster.weight_sync: unknown transport {transport!r}; use one of {TRANSPORTS}"
@@ -123,7 +126,9 @@ class WeightSync:
         self._trained_at_push = getattr(self.trainer, "trained", 0)
         self.version = self.router.version = version
         end = time.perf_counter()
+        checked = {"sync/verified": self.check(version)} if self.verify else {}
         return {
+            **checked,
             "time/sync": end - start,
             "sync/gather_s": gathered - start,
             "sync/deliver_s": end - gathered,
@@ -132,6 +137,23 @@ class WeightSync:
             "cluster/engine_retries": float(self.router.retries),
             "cluster/engine_restarts": float(self.router.restarts),
         }
+
+    def check(self, version: int) -> float:
+        """1.0 when every live replica holds exactly the trainer's weights (hashes of the names
+        that travel, gathered from the shards one tensor at a time); raises otherwise."""
+        import ray
+
+        names = [m.name for bucket in self._layout() for m in bucket]
+        want = self.trainer.call("wire_hash", self.dtype, self.role)[0]
+        live = self.router.live()
+        got = ray.get([r.weights_hash.remote(names) for _, r in live])
+        wrong = [i for (i, _), h in zip(live, got, strict=True) if h != want]
+        if wrong:
+            raise RuntimeError(
+                f"weight sync: engine replicas {wrong} hold other weights than the trainer after "
+                f"version {version} (cluster.verify_sync)"
+            )
+        return 1.0
 
     @staticmethod
     def _answering(live: list[tuple[int, Any]], timeout_s: float = 30.0) -> list[tuple[int, Any]]:
@@ -184,12 +206,16 @@ class WeightSync:
         self._shared = [i for (i, _), s in zip(live, same, strict=True) if s]
         members = [(i, r) for (i, r), s in zip(live, same, strict=True) if not s]
         if not members:
-            self.trainer.get([self.trainer.rank0.leave.remote()])
+            self.trainer.get([self.trainer.rank0.leave.remote(self.role)])
         else:
             host, port = self.trainer.get([self.trainer.rank0.sync_address.remote()])[0]
-            name = f"weir-sync-{next(self._generation)}"
+            name = f"weir-sync-{self.role}-{next(self._generation)}"
             size = len(members) + 1
-            refs = [self.trainer.rank0.join.remote(host, port, size, name, self.backend)]
+            refs = [
+                self.trainer.rank0.join.remote(
+                    host, port, size, name, self.backend, "weir", False, self.role
+                )
+            ]
             refs += [
                 r.join.remote(host, port, k + 1, size, name, self.backend)
                 for k, (_, r) in enumerate(members)

@@ -53,7 +53,7 @@ class SyncTrainerRank(TrainerRank):
     """A trainer rank that publishes its weights from its shards, or by disk / object store."""
 
     _full: dict[str, torch.Tensor] | None = None
-    _group: BroadcastGroup | None = None
+    _groups: dict[str, BroadcastGroup] | None = None  # rank 0: the broadcast group of each policy
 
     @property
     def _offloads(self) -> bool:
@@ -197,18 +197,21 @@ class SyncTrainerRank(TrainerRank):
         backend: str,
         style: str = "weir",
         per_tensor: bool = False,
+        role: str = "",
     ) -> None:
         """Rank 0: become the root of a new weight-broadcast group (`BroadcastGroup`) of `size`
-        members; returns once every member joined."""
-        if self._group is not None:
-            self._group.close()
-        self._group = BroadcastGroup(
+        members, the engines of `role`'s policy; returns once every member joined."""
+        self.leave(role)
+        self._groups = self._groups or {}
+        self._groups[role] = BroadcastGroup(
             host, port, 0, size, backend=backend, name=name, style=style, per_tensor=per_tensor
         )
 
-    def leave(self) -> None:
-        """No broadcast group (every engine takes handles)."""
-        self._group = None
+    def leave(self, role: str = "") -> None:
+        """No broadcast group for `role`'s engines (every one takes handles)."""
+        old = (self._groups or {}).pop(role, None)
+        if old is not None:
+            old.close()
 
     def stream(
         self, buckets: list[list[TensorMeta]], shared: list[Any], version: int, role: str = ""
@@ -232,7 +235,7 @@ class SyncTrainerRank(TrainerRank):
                 if flat is None or error is not None:
                     continue  # after a failed send rank 0 still takes part in the gathers
                 try:
-                    self._deliver(flat, bucket, shared, version)
+                    self._deliver(flat, bucket, shared, version, role)
                 except Exception as err:  # an engine died: the driver retries with the live ones
                     error = err
                 sent += flat.numel() * flat.element_size()
@@ -244,13 +247,20 @@ class SyncTrainerRank(TrainerRank):
         return sent
 
     def _deliver(
-        self, flat: torch.Tensor, bucket: list[TensorMeta], shared: list[Any], version: int
+        self,
+        flat: torch.Tensor,
+        bucket: list[TensorMeta],
+        shared: list[Any],
+        version: int,
+        role: str = "",
     ) -> None:
-        """One bucket to the broadcast group and, by memory handle, to the engines in `shared`."""
+        """One bucket to `role`'s broadcast group and, by memory handle, to the engines in
+        `shared`."""
         import ray
 
-        if self._group is not None:
-            self._group.send_flat(flat, bucket)
+        group = (self._groups or {}).get(role)
+        if group is not None:
+            group.send_flat(flat, bucket)
         if shared:
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
@@ -300,6 +310,14 @@ class SyncTrainerRank(TrainerRank):
             state = get_model_state_dict(model)
         return sharded_hash(
             state, torch.device(self.device), getattr(torch, dtype) if dtype else None
+        )
+
+    def wire_hash(self, dtype: str | None = None, role: str = "") -> str:
+        """Collective: `weights_hash` of what `role`'s engines load (the names that travel, each
+        once), gathered one tensor at a time: what `SyncEngineWorker.weights_hash(names)` of an
+        engine that holds them gives."""
+        return sharded_hash(
+            self._sharded(role), torch.device(self.device), getattr(torch, dtype) if dtype else None
         )
 
     def weights_digest(self, dtype: str | None = None, role: str = "") -> str:

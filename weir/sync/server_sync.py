@@ -100,6 +100,7 @@ class ServerSync:
         self._trained_at_push = 0
         self._lock = threading.Lock()
         self._adapter: tuple[str, str] | None = None  # the adapter pushed last: (path, name)
+        engine.verify_loads = verify  # a worker digests what it loads from disk too
         if transport != "disk":
             engine.restore = self.restore
 
@@ -119,7 +120,9 @@ class ServerSync:
             self._trained_at_push = getattr(self.trainer, "trained", 0)
             self.version = version
             end = time.perf_counter()
+            checked = {"sync/verified": self.check(version)} if self.verify else {}
         return {
+            **checked,
             "time/sync": end - start,
             "sync/mb": nbytes / 2**20,
             "sync/mb_per_s": nbytes / 2**20 / max(end - start, 1e-9),
@@ -167,7 +170,8 @@ class ServerSync:
                 task.cancel()
             self._members = None  # a broadcast that failed half way leaves the group unusable
             raise
-        await asyncio.gather(*(backend.reset_cache(client, url) for url in urls))
+        if not getattr(backend, "flushes_on_receive", False):
+            await asyncio.gather(*(backend.reset_cache(client, url) for url in urls))
         return int(sent[0])
 
     async def _form_group(self, urls: list[str]) -> None:
@@ -179,14 +183,21 @@ class ServerSync:
         sizes = await asyncio.gather(*(backend.workers(client, url) for url in urls))
         rank0 = self.trainer.rank0
         host, port = (await asyncio.to_thread(self.trainer.get, [rank0.sync_address.remote()]))[0]
-        name = f"weir-sync-{next(self._generation)}"
+        name = f"weir-sync-{self.role or 'policy'}-{next(self._generation)}"
         world = 1 + sum(sizes)
         offsets = list(itertools.accumulate([1, *sizes]))[:-1]
         root = asyncio.to_thread(
             self.trainer.get,
             [
                 rank0.join.remote(
-                    host, port, world, name, self.backend, backend.group_style, backend.per_tensor
+                    host,
+                    port,
+                    world,
+                    name,
+                    self.backend,
+                    backend.group_style,
+                    backend.per_tensor,
+                    self.role,
                 )
             ],
         )
@@ -250,6 +261,38 @@ class ServerSync:
         self._members = None  # a group of that server alone: the next push forms one of all
 
     # -- checks --------------------------------------------------------------------------------------
+
+    def check(self, version: int) -> float:
+        """1.0 when every live server worker loaded exactly the trainer's weights (the digest its
+        worker extension took of the tensors it loaded, against the same digest gathered from the
+        shards); raises otherwise. With the adapter transport: every live server lists this
+        version's adapter as loaded (its base weights are the model's files, never changed)."""
+        if self.transport == "adapter":
+            return self._check_adapter(version)
+        want = self.trainer.call("weights_digest", self.dtype, self.role)[0]
+        got = self.digests()
+        if not got or any(d != want for d in got):
+            raise RuntimeError(
+                f"weight sync: {sum(d != want for d in got)} of {len(got)} server workers hold "
+                f"other weights than the trainer after version {version} (cluster.verify_sync)"
+            )
+        return 1.0
+
+    def _check_adapter(self, version: int) -> float:
+        assert self._adapter is not None
+        backend, client, name = self.engine.backend, self.engine._client, self._adapter[1]
+
+        async def ask() -> list[list[str]]:
+            urls = [r.url for i, r in enumerate(self.engine.replicas) if self.engine.healthy[i]]
+            return list(await asyncio.gather(*(backend.adapters(client, url) for url in urls)))
+
+        listed = self.engine.run(ask())
+        if not listed or any(name not in names for names in listed):
+            raise RuntimeError(
+                f"weight sync: a server does not list adapter {name} of version {version} "
+                "(cluster.verify_sync)"
+            )
+        return 1.0
 
     def digests(self) -> list[str | None]:
         """Each live server worker's digest of the weights its last update loaded (`verify`)."""

@@ -31,7 +31,7 @@ from pathlib import Path
 class WeirWorkerExtension:
     """Mixed into vLLM's worker class; ``self.model_runner.model`` is the served model."""
 
-    def weir_load_safetensors(self, path: str) -> int:
+    def weir_load_safetensors(self, path: str, digest: bool = False) -> int:
         from safetensors.torch import load_file
 
         files = sorted(Path(path).glob("*.safetensors"))
@@ -41,6 +41,11 @@ class WeirWorkerExtension:
         tensors: dict = {}
         for f in files:
             tensors.update(load_file(str(f)))
+        self._weir_digest = (
+            combine_digests({k: tensor_digest(k, v) for k, v in tensors.items()})
+            if digest
+            else None
+        )
         _tie_lm_head(self.model_runner.model_config.hf_config, tensors)
         # vLLM's in-place reload, not model.load_weights: after loading, vLLM repacks some weights
         # into kernel formats (on CPU the linear layers' original parameters are emptied), and
