@@ -64,7 +64,9 @@ def test_committed_compatibility_matrix_is_current_and_every_refusal_says_why():
 
     text = compatibility_matrix()
     committed = Path(__file__).parents[1] / "docs" / "compatibility.md"
-    assert committed.read_text() == text + "\n", "run `make docs` to regenerate docs/compatibility.md"
+    assert committed.read_text() == text + "\n", (
+        "run `make docs` to regenerate docs/compatibility.md"
+    )
     refusals = text.split("## Every refusal", 1)[1]
     assert " yet" not in refusals and "not supported" not in refusals
     # what the matrix test runs on Ray (tests/cluster/test_matrix_on_ray.py) is accepted there

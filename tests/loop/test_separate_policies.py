@@ -192,5 +192,5 @@ def test_a_per_role_model_path_needs_separate_policies_and_vision_models_are_ref
     ):
         build_config(CONFIG, ["multi_agent.policies=shared", f"multi_agent.roles={roles}"])
     cfg = build_config(CONFIG, [])
-    with pytest.raises(ValueError, match="policies=separate does not run vision-language models"):
+    with pytest.raises(ValueError, match="policies=separate with a vision-language model"):
         _check_vision_run(cfg)

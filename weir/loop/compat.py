@@ -57,6 +57,8 @@ RAY_ONLY = {
     "verify every sync (cluster.verify_sync)",
 }
 """Settings of the Ray cluster: one process has no weight sync to choose or check."""
+SERVERS_ONLY = {"engine.urls (servers started elsewhere)"}
+"""Settings of server engines (vLLM, SGLang): weir's own engine has no URL."""
 BASE = ["data.task=arithmetic"]
 
 
@@ -82,14 +84,22 @@ def _check(feature: str, placement: str, extra: list[str] = ()) -> str | None:
     return refusal(over, vision=feature == "vision-language model")
 
 
+def _not_applicable(feature: str, placement: str) -> str | None:
+    if feature in RAY_ONLY and placement.startswith("local"):
+        return "(Ray only)"
+    if feature in SERVERS_ONLY and placement.endswith("torch"):
+        return "(servers only)"
+    return None
+
+
 def compatibility_matrix(check: Callable[..., str | None] = _check) -> str:
     """docs/compatibility.md: features by placement, pairs of features refused somewhere, and
     every refusal with its reason."""
     notes: dict[str, int] = {}
 
-    def mark(why: str | None, applies: bool = True) -> str:
-        if not applies:
-            return "(Ray only)"
+    def mark(why: str | None, applies: str | None = None) -> str:
+        if applies is not None:
+            return applies
         if why is None:
             return "runs"
         notes.setdefault(why, len(notes) + 1)
@@ -113,10 +123,7 @@ def compatibility_matrix(check: Callable[..., str | None] = _check) -> str:
         "| --- | " + " | ".join("---" for _ in PLACEMENTS) + " |",
     ]
     for feature in FEATURES:
-        cells = [
-            mark(check(feature, p), feature not in RAY_ONLY or p.startswith("Ray"))
-            for p in PLACEMENTS
-        ]
+        cells = [mark(check(feature, p), _not_applicable(feature, p)) for p in PLACEMENTS]
         lines.append(f"| {feature} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -130,12 +137,15 @@ def compatibility_matrix(check: Callable[..., str | None] = _check) -> str:
     pairs = 0
     for a, b in itertools.combinations(FEATURES, 2):
         for p in PLACEMENTS:
-            local = p.startswith("local")
-            if local and (a in RAY_ONLY or b in RAY_ONLY):
+            if _not_applicable(a, p) or _not_applicable(b, p):
                 continue
             if check(a, p) is not None or check(b, p) is not None:
                 continue
-            why = check(a, p, FEATURES[b]) if b != "vision-language model" else check(b, p, FEATURES[a])
+            why = (
+                check(a, p, FEATURES[b])
+                if b != "vision-language model"
+                else check(b, p, FEATURES[a])
+            )
             if why is not None:
                 lines.append(f"| {a} | {b} | {p} | {mark(why)} |")
                 pairs += 1

@@ -570,24 +570,28 @@ def _check_vision_run(cfg: Config) -> None:
     """Refuse, before any work, the parts of a run that would drop a VLM's images."""
     if separate_policies(cfg):
         raise ValueError(
-            "multi_agent.policies=separate does not run vision-language models yet: use "
-            "multi_agent.policies=shared, or a text model"
+            "multi_agent.policies=separate with a vision-language model: the multi-agent rollout "
+            "builds every role's view from the turns' text and carries no images, so the policies "
+            "would train on prompts without their pictures; use a text model (docs/multimodal.md)"
         )
     if cfg.engine.process:
         raise ValueError(
             "a vision-language model's engine runs in the trainer's process: set "
             "engine.process=false (docs/multimodal.md)"
         )
-    if cfg.engine.type != "torch" or cfg.cluster.type != "local":
+    if cfg.engine.type != "torch":
         raise ValueError(
-            f"a vision-language model runs on engine.type=torch with cluster.type=local only (got "
-            f"{cfg.engine.type} / {cfg.cluster.type}): set both (docs/multimodal.md)"
+            f"a vision-language model with engine.type={cfg.engine.type}: weir sends a server "
+            "token ids over its completions endpoint, which carries no images, so the server "
+            "would not see what weir's processor placed in the prompt; use engine.type=torch "
+            "(docs/multimodal.md)"
         )
     fn = cfg.rollout.function
     if cfg.agent.env is not None or "multi_turn" in fn or fn.startswith("weir.serve"):
         raise ValueError(
-            "multi-turn agent rollouts do not carry images yet; use the single-turn rollout "
-            "(rollout.function) with a vision-language model (docs/multimodal.md)"
+            "multi-turn agent rollouts rebuild each turn's prompt from text and carry no images; "
+            "use the single-turn rollout (rollout.function) with a vision-language model "
+            "(docs/multimodal.md)"
         )
 
 

@@ -23,7 +23,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from weir.train.model import ATTENTION
 
@@ -59,8 +65,10 @@ def build_on_meta(model_path: str, dtype: torch.dtype) -> PreTrainedModel:
     """The causal LM of `model_path` (a local HF directory) with its parameters on the meta device,
     configured as `weir.train.model.load_model` configures a loaded one."""
     config = AutoConfig.from_pretrained(model_path)
+    vision = getattr(config, "vision_config", None) is not None  # a vision-language model
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     model.config.use_cache = False
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn not in ATTENTION:
@@ -73,11 +81,23 @@ def build_on_meta(model_path: str, dtype: torch.dtype) -> PreTrainedModel:
 
 def driver_model(model_path: str, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     """Config, generation config and tokenizer without any weights: what the driver of a Ray run
-    needs (its ranks and engines load the weights themselves)."""
+    needs (its ranks and engines load the weights themselves). A vision-language model's tokenizer
+    comes with its processor attached (`weir.data.vision.processor_of`), as `load_model` gives it."""
+    model = build_on_meta(model_path, dtype)
+    if getattr(model.config, "vision_config", None) is not None:
+        from weir.data.vision import attach_processor
+        from weir.data.vision_processor import load_processor
+
+        processor = load_processor(model_path)
+        tokenizer = processor.tokenizer
+        attach_processor(tokenizer, processor)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return build_on_meta(model_path, dtype), tokenizer
+    return model, tokenizer
 
 
 def disk_layout(model_dir: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:

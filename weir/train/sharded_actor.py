@@ -76,9 +76,14 @@ def shard_model(
     base = getattr(inner, "model", None)
     if hasattr(inner, "backbone"):  # a critic's value model: its backbone's decoder layers
         base = inner.backbone
+    visual = getattr(base, "visual", None)  # a vision-language model: its vision tower's blocks
+    if getattr(base, "language_model", None) is not None:  # and its language model's layers
+        base = base.language_model
     layers = getattr(base, "layers", None)
     for layer in layers or []:
         fully_shard(layer, **kwargs)
+    for block in getattr(visual, "blocks", None) or []:
+        fully_shard(block, **kwargs)
     ends = [
         m
         for m in (getattr(base, "embed_tokens", None), getattr(base, "norm", None))
