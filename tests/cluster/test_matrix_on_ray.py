@@ -340,3 +340,33 @@ def test_a_sync_into_vllm_holds_one_bucket_not_the_model(servers, model_dir, tmp
     finally:
         engine.close()
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_one_process_with_vllm_runs_separate_policies_with_lora_adapters(
+    servers, model_dir, tmp_path
+):
+    """The same features with `cluster.type=local` (the degenerate placement): a policy per role
+    in this process, each with LoRA adapters that alone go to its own vLLM server (the module's two,
+    split between the roles by `engine.urls`); the servers' log-probs under the adapters match
+    the trainer's."""
+    urls = ",".join(r.url for r in servers.replicas)
+    config = {**BASE, **SEPARATE, "model": {**BASE["model"], "path": str(model_dir)}}
+    result = weir.run(
+        config,
+        [
+            f"run.dir={tmp_path}",
+            "run.steps=2",
+            "engine.type=vllm",
+            "engine.max_model_len=256",
+            f"engine.urls=[{urls}]",
+            "lora.enabled=true",
+            "lora.rank=4",
+            "lora.sync=adapter",
+            "train.lr=1e-2",
+        ],
+    )
+    steps = [h for h in result.history if "train/loss" in h]
+    assert len(steps) == 2 and all(h["train/a/samples"] > 0 for h in steps)
+    assert all(0 < h["sync/mb"] < 1.0 for h in steps)  # two adapters of 0.25 MB, not the model
+    assert all(h["mismatch/abs_logp_diff"] < 2e-4 for h in steps if "mismatch/abs_logp_diff" in h)

@@ -37,16 +37,19 @@ CONFIG = {
     "model": {"path": "tiny:tiny", "threads": 1},
     "data": {"task": "arithmetic", "eval_size": 24},
     "rollout": {"n": 4, "batch_prompts": 8, "max_new_tokens": 6, "temperature": 1.0},
-    "train": {"lr": 2e-3, "warmup_steps": 0},
+    "train": {"lr": 1e-2, "warmup_steps": 0},
     "eval": {"temperature": 0.0},
     "telemetry": {"console": False, "dump_rollouts": True, "trace": False},
 }
 
 
-def even_start(sample, row) -> float:
-    """A reward an untrained model can learn within a few steps: 1 when the response opens with a
-    token of even id (about half of them at the start)."""
-    return float(bool(sample.response_ids) and sample.response_ids[0] % 2 == 0)
+def odd_tokens(sample, row) -> float:
+    """A reward an untrained model can learn within a few steps: the share of its response tokens
+    with an odd id (about half when sampled; the random model's greedy answers hold few: 0.1 on
+    the held-out prompts). With the built-in engine in one process, train reward 0.51 -> 0.89 and
+    held-out 0.1 -> 1.0 over these 8 steps (seed 2)."""
+    ids = sample.response_ids
+    return sum(t % 2 == 1 for t in ids) / max(len(ids), 1)
 
 
 def _kill_when_generating(engine, started: list, done: threading.Event) -> None:
@@ -93,7 +96,7 @@ def test_vllm_on_ray_learns_and_a_killed_server_loses_nothing(ray_local, tmp_pat
             "engine.max_model_len=128",
             "engine.startup_timeout_s=900",
         ],
-        reward=even_start,
+        reward=odd_tokens,
     )
     assert done.is_set() and killed, "the server was not killed"
     steps = [h for h in result.history if "train/loss" in h]
@@ -121,5 +124,12 @@ def test_vllm_on_ray_learns_and_a_killed_server_loses_nothing(ray_local, tmp_pat
     # it learned: the held-out greedy reward rose
     before, after = result.evals[0]["eval/reward"], result.evals[-1]["eval/reward"]
     rewards = [h["reward/mean"] for h in steps]
-    assert after > before + 0.2, (before, after, rewards)
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+    print(
+        f"killed after {killed[0][1]} tokens of step {KILL_AT}; retries "
+        f"{steps[KILL_AT - 1]['cluster/engine_retries']:.0f}, restarts "
+        f"{steps[-1]['cluster/engine_restarts']:.0f}; train reward {[round(r, 2) for r in rewards]}; "
+        f"held-out {before:.2f} -> {after:.2f}; max |dlogp| "
+        f"{max(h['mismatch/abs_logp_diff'] for h in steps):.1e}"
+    )
+    assert after > before + 0.3, (before, after, rewards)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards

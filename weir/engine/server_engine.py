@@ -31,16 +31,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.router import NoEngineAvailable, least_loaded
 from weir.engine.server_recovery import Recovery
+from weir.engine.server_updates import WeightUpdates
 from weir.engine.servers import Replica
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ def sample_seed(seed: int, index: int, done: int) -> int:
     return (x * 0xD6E8FEB86659FD93) & MASK63
 
 
-class ServerEngine(Recovery):
+class ServerEngine(Recovery, WeightUpdates):
     """The Engine protocol over `replicas` served by `backend`.
 
     Args:
@@ -220,46 +219,6 @@ class ServerEngine(Recovery):
     ) -> list[Completion]:
         return await self._in_loop(self._generate([int(t) for t in prompt_ids], params))
 
-    async def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        path = await asyncio.to_thread(self._write, named_tensors, version)
-        await self._in_loop(self._load(path, version))
-
-    async def load_weights_from_disk(self, path: str | Path, version: int) -> None:
-        """Load a safetensors (HF) directory the servers can read, then set `version`."""
-        await self._in_loop(self._load(str(path), version))
-
-    def update_with_sync(
-        self, load: Callable[[list[tuple[int, Replica]]], Coroutine], version: int
-    ) -> None:
-        """Pause, run ``await load(replicas)`` in the engine's loop (the live replicas and those
-        waiting for weights, `awaiting`, with their indices; it must leave every one of them
-        holding the new weights), set `version`, resume. The hook of weight transports other than
-        a directory (`weir.sync.server_sync`)."""
-        self._call(self._load_with(load, version, path=None))
-
-    def update_adapter_sync(self, path: str | Path, name: str, version: int) -> None:
-        """Load the LoRA adapter directory `path` into every server as `name` (the previous one
-        unloaded) and run requests with it from then on (lora.sync=adapter; vLLM), then set
-        `version`."""
-        old = getattr(self.backend, "adapter", None)
-
-        async def load(replicas: list[tuple[int, Replica]]) -> None:
-            await asyncio.gather(
-                *(
-                    self.backend.load_adapter(self._client, r.url, str(path), name, old)
-                    for _, r in replicas
-                )
-            )
-            self.backend.adapter = name
-
-        self._call(self._load_with(load, version, path=None))
-
-    def run(self, coro: Coroutine) -> Any:
-        """Run `coro` in the engine's loop (where its HTTP client lives) and wait for its result."""
-        return self._call(coro)
-
     async def pause(self) -> None:
         await self._in_loop(self._pause())
 
@@ -271,13 +230,6 @@ class ServerEngine(Recovery):
 
     async def drain(self, timeout: float | None = None) -> bool:
         return await self._in_loop(self._drain(timeout))
-
-    def update_weights_sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        path = self._write(named, version)
-        self._call(self._load(path, version))
-
-    def update_weights_from_disk_sync(self, path: str | Path, version: int) -> None:
-        self._call(self._load(str(path), version))
 
     def pause_sync(self) -> None:
         self._call(self._pause())
@@ -482,7 +434,7 @@ class ServerEngine(Recovery):
         async with self._client.stream("POST", url, json=body) as resp:
             if resp.status_code >= 400:
                 text = (await resp.aread()).decode(errors="replace")[:500]
-                if resp.status_code >= 500 and not self._alive(s.replica):
+                if resp.status_code >= 500 and not await asyncio.to_thread(self._alive, s.replica):
                     raise ConnectionError(f"{resp.status_code}: {text}")
                 raise ServerError(
                     f"{self.backend.name} server {url} answered {resp.status_code}: {text}"
@@ -549,59 +501,6 @@ class ServerEngine(Recovery):
     async def _abort(self) -> None:
         self._epoch += 1
         await self._stop_streams()
-
-    def _write(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> str:
-        """Write the weights as a loadable model directory: safetensors plus the model's config
-        files (SGLang's loader reads config.json next to the weights)."""
-        import shutil
-
-        from weir.sync.disk import DiskStore
-
-        out = DiskStore(self.weights_dir).write(dict(named), version)
-        if self.model_dir is not None:
-            for f in Path(self.model_dir).glob("*.json"):
-                if not f.name.endswith(".index.json"):
-                    shutil.copy(f, out / f.name)
-        return str(out)
-
-    async def _load(self, path: str, version: int) -> None:
-        """Pause, load `path` into every healthy server, set `version`, resume (if it was running)."""
-
-        async def from_disk(replicas: list[tuple[int, Replica]]) -> None:
-            digest = {"digest": True} if self.verify_loads else {}
-            await asyncio.gather(
-                *(
-                    self.backend.load_from_disk(self._client, r.url, path, **digest)
-                    for _, r in replicas
-                )
-            )
-
-        await self._load_with(from_disk, version, path=path)
-
-    async def _load_with(self, load: Callable, version: int, *, path: str | None) -> None:
-        async with self._control:
-            was_running = self._running.is_set()
-            await self._pause()
-            try:
-                if self.sleeping:
-                    await self._wake_servers()
-                targets = [
-                    (i, r)
-                    for i, r in enumerate(self.replicas)
-                    if self.healthy[i] or i in self.awaiting
-                ]
-                await load(targets)
-                for i, _ in targets:
-                    if i in self.awaiting:
-                        self.awaiting.discard(i)
-                        self.healthy[i] = True
-                self.restore_path = path
-                self.version = version
-            finally:
-                if self.sleeping:
-                    await self._sleep_servers()
-                if was_running:
-                    self._running.set()
 
     async def _sleep(self) -> None:
         async with self._control:

@@ -177,7 +177,8 @@ def ray_placement(options: Callable[[int], dict[str, Any]]) -> Callable[[MakePro
         ]
         try:
             ray.get([a.check.remote() for a in actors])
-            urls = ray.get([a.start.remote() for a in actors])
+            refs = [a.start.remote() for a in actors]
+            urls = [_started(a, ref) for a, ref in zip(actors, refs, strict=True)]
         except BaseException:
             for a in actors:
                 RemoteProcess(a, "").stop()
@@ -186,3 +187,16 @@ def ray_placement(options: Callable[[int], dict[str, Any]]) -> Callable[[MakePro
         return [Replica(url, RemoteProcess(a, url)) for a, url in zip(actors, urls, strict=True)]
 
     return place
+
+
+def _started(actor: Any, ref: Any, attempts: int = 3) -> str:
+    """The URL `actor.start` returned; if Ray restarted the actor meanwhile (its process died,
+    e.g. under memory pressure, and `max_restarts` allows it), start it again."""
+    import ray
+
+    for _ in range(attempts):
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            ref = actor.start.remote()
+    return ray.get(ref)

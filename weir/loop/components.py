@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weir.config import Config
-from weir.config.devices import resolve_device, resolve_dtype
+from weir.config.devices import resolve_device
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.data.vision import VisionInputs, encode_vision_prompt, processor_of
@@ -27,6 +27,7 @@ from weir.engine.torch_engine import TorchEngine
 from weir.loop.engine_memory import check_kv_budget
 from weir.loop.role_policies import build_role_policies
 from weir.loop.selfcheck import run_selfcheck
+from weir.loop.server_engines import engine_placement, policy_engine, server_engine
 from weir.plugins import resolve
 from weir.rollout.combine import check_reward
 from weir.rollout.multi_agent import multi_agent_extras
@@ -226,17 +227,6 @@ def _no_task_reward(sample: Any, row: dict) -> float:
     return 0.0
 
 
-def engine_placement(cfg: Config, model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    """The built-in engine's device and dtype: `engine.device` (auto: the trainer model's device)
-    and `engine.dtype` (auto: bfloat16 on CUDA, float32 on CPU)."""
-    p = next(model.parameters())
-    if cfg.engine.device == "auto":
-        device = p.device
-    else:
-        device = resolve_device(cfg.engine.device, key="engine.device")
-    return device, resolve_dtype(cfg.engine.dtype, device)
-
-
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
     """The built-in engine on the trainer's module (colocated sync) or on its own copy (always
     for LoRA: a plain model holding the merged weights; always in a child process with
@@ -278,53 +268,6 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
     else:
         engine = TorchEngine(model, **options)
     check_kv_budget(cfg, engine)
-    return engine
-
-
-def server_engine(
-    cfg: Config,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    model_path: str,
-    run_dir: Path,
-    role: str = "",
-    share: tuple[int, int] = (0, 1),
-) -> Any:
-    """vLLM / SGLang servers of one policy as child processes of this one (or attached: group
-    `share[0]` of `share[1]` takes its equal share of `engine.urls`, in role order)."""
-    from weir.engine.remote import start_engine_servers
-
-    index, groups = share
-    per = len(cfg.engine.urls) // groups
-    urls = cfg.engine.urls[index * per : (index + 1) * per]
-    lora = cfg.lora
-    return start_engine_servers(
-        cfg.engine.model_copy(update={"urls": urls}),
-        model_path,
-        run_dir / "engine" / role if role else run_dir / "engine",
-        eos_token_ids(model, tokenizer),
-        dtype=str(engine_placement(cfg, model)[1]).removeprefix("torch."),
-        seed=cfg.run.seed,
-        lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else None,
-    )
-
-
-def policy_engine(
-    cfg: Config, model: torch.nn.Module, tokenizer: Any, path: str, role: str, *, run_dir: Path
-) -> Any:
-    """One role's engine (multi_agent.policies=separate, one process): the built-in engine on its
-    model, or its own vLLM / SGLang servers; attached servers are given the role's weights."""
-    if cfg.engine.type == "torch":
-        return make_engine(cfg, model, tokenizer)
-    names = [r.name for r in cfg.multi_agent.roles]
-    engine = server_engine(
-        cfg, model, tokenizer, path, run_dir, role, (names.index(role), len(names))
-    )
-    if cfg.engine.urls:
-        from weir.train.lora import is_lora, merged_weights
-
-        weights = merged_weights(model) if is_lora(model) else model.named_parameters()
-        engine.update_weights_sync(weights, 0)
     return engine
 
 
@@ -453,7 +396,7 @@ def build(
     if processor_of(tokenizer) is not None:
         _check_vision_run(cfg)
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
-        from weir.loop.ray_build import build_ray
+        from weir.loop.ray_build import build_ray, critic_model_path, ray_roles
 
         ray_parts = build_ray(
             cfg,
@@ -471,7 +414,7 @@ def build(
             model,
             tokenizer,
             run_model_path(cfg, run_dir),
-            partial(policy_engine, run_dir=run_dir),
+            partial(policy_engine, run_dir=run_dir, make_engine=make_engine),
             run_selfcheck if cfg.model.selfcheck and cfg.engine.type == "torch" else None,
         )
         trainer, engine = policies.trainer, policies.engine
@@ -522,24 +465,6 @@ def build(
 def separate_policies(cfg: Config) -> bool:
     """multi_agent.policies=separate: a policy (model, trainer, engine) per role."""
     return bool(cfg.multi_agent.roles) and cfg.multi_agent.policies == "separate"
-
-
-def ray_roles(cfg: Config, run_dir: Path) -> dict[str, str]:
-    """multi_agent.policies=separate on Ray: each role's model directory (built here for a
-    `tiny:` model), for the ranks to load."""
-    from weir.loop.role_policies import role_model_path
-
-    return {r.name: role_model_path(cfg, run_dir, r) for r in cfg.multi_agent.roles}
-
-
-def critic_model_path(cfg: Config, run_dir: Path) -> str | None:
-    """`critic.model_path` resolved (a `tiny:` model built next to the run), or None."""
-    c = cfg.critic
-    if cfg.algo.advantage != "gae" or c.model_path is None or c.shared_backbone:
-        return None
-    return resolve_model_path(
-        c.model_path, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed
-    )
 
 
 def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | None:

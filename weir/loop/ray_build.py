@@ -72,6 +72,26 @@ class RoleSyncs:
         return out
 
 
+def ray_roles(cfg: Config, run_dir: Path) -> dict[str, str]:
+    """multi_agent.policies=separate on Ray: each role's model directory (built here for a
+    `tiny:` model), for the ranks to load."""
+    from weir.loop.role_policies import role_model_path
+
+    return {r.name: role_model_path(cfg, run_dir, r) for r in cfg.multi_agent.roles}
+
+
+def critic_model_path(cfg: Config, run_dir: Path) -> str | None:
+    """`critic.model_path` resolved (a `tiny:` model built next to the run), or None."""
+    from weir.train.model import resolve_model_path
+
+    c = cfg.critic
+    if cfg.algo.advantage != "gae" or c.model_path is None or c.shared_backbone:
+        return None
+    return resolve_model_path(
+        c.model_path, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed
+    )
+
+
 def load_for_engine(model_path: str, dtype: str) -> tuple[Any, Any, list[int]]:
     """How an engine replica loads its model: the trainer's loader, so both run the same HF class."""
     from weir.train.model import eos_token_ids, load_model

@@ -150,29 +150,54 @@ class ServerSync:
         from the shards to them, prefix caches dropped. Returns the bytes rank 0 sent."""
         if not urls:
             return 0
-        buckets = self._layout()
         await self._form_group(urls)
-        backend, client = self.engine.backend, self.engine._client
-        receiving = [
+        receiving = self._receive(urls)
+        try:
+            sent = await asyncio.to_thread(self._send, version)
+            await asyncio.gather(*receiving)
+        except BaseException:
+            self._abandon(receiving)
+            raise
+        await self._reset_caches(urls)
+        return sent
+
+    def _receive(self, urls: list[str]) -> list[asyncio.Future]:
+        """In the engine's loop: every server at `urls` starts receiving the buckets."""
+        backend, client, buckets = self.engine.backend, self.engine._client, self._layout()
+        return [
             asyncio.ensure_future(
                 backend.receive_broadcast(client, url, buckets, self._name, self.verify)
             )
             for url in urls
         ]
-        try:
-            sent = await asyncio.to_thread(
-                self.trainer.collective,
-                lambda r, rank: rank.stream.remote(buckets, [], version, self.role),
-            )
-            await asyncio.gather(*receiving)
-        except BaseException:
-            for task in receiving:
-                task.cancel()
-            self._members = None  # a broadcast that failed half way leaves the group unusable
-            raise
+
+    def _send(self, version: int) -> int:
+        """Collective over the trainer ranks (blocking): every bucket gathered and broadcast."""
+        buckets = self._layout()
+        sent = self.trainer.collective(
+            lambda r, rank: rank.stream.remote(buckets, [], version, self.role)
+        )
+        return int(sent[0])
+
+    def _abandon(self, receiving: list[asyncio.Future]) -> None:
+        for task in receiving:
+            task.cancel()
+        self._members = None  # a broadcast that failed half way leaves the group unusable
+
+    async def _start_receiving(self, urls: list[str]) -> list[asyncio.Future]:
+        return self._receive(urls)
+
+    @staticmethod
+    async def _finish_receiving(receiving: list[asyncio.Future]) -> None:
+        await asyncio.gather(*receiving)
+
+    async def _cancel(self, receiving: list[asyncio.Future]) -> None:
+        self._abandon(receiving)
+
+    async def _reset_caches(self, urls: list[str]) -> None:
+        backend, client = self.engine.backend, self.engine._client
         if not getattr(backend, "flushes_on_receive", False):
             await asyncio.gather(*(backend.reset_cache(client, url) for url in urls))
-        return int(sent[0])
 
     async def _form_group(self, urls: list[str]) -> None:
         """Trainer rank 0 and every worker of the servers at `urls` join a new group, unless the
@@ -251,13 +276,23 @@ class ServerSync:
             path, name = self._adapter
             self.engine.run(self.engine.backend.load_adapter(self.engine._client, url, path, name))
             return
+        url = self.engine.replicas[index].url
         with self.trainer._collective:  # no train call between the check and the stream
             if getattr(self.trainer, "trained", 0) != self._trained_at_push:
                 raise WeightsNotReady(
                     f"the trainer moved past version {self.version}; it rejoins at the next push"
                 )
-            url = self.engine.replicas[index].url
-            self.engine.run(self._deliver([url], self.version))
+            # the group and the receiving in the engine's loop; the sending in this thread,
+            # which holds the trainer's (re-entrant) collective lock
+            self.engine.run(self._form_group([url]))
+            receiving = self.engine.run(self._start_receiving([url]))
+            try:
+                self._send(self.version)
+                self.engine.run(self._finish_receiving(receiving))
+            except BaseException:
+                self.engine.run(self._cancel(receiving))
+                raise
+            self.engine.run(self._reset_caches([url]))
         self._members = None  # a group of that server alone: the next push forms one of all
 
     # -- checks --------------------------------------------------------------------------------------
