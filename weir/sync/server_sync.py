@@ -241,9 +241,8 @@ class ServerSync:
         assert self.disk_dir is not None
         metas = self.trainer.call("gather", self.role)[0]
         try:
-            path = self.trainer.get([self.trainer.rank0.write.remote(str(self.disk_dir), version)])[
-                0
-            ]
+            written = self.trainer.rank0.write.remote(str(self.disk_dir), version)
+            path = self.trainer.get([written])[0]
         finally:
             self.trainer.get([self.trainer.rank0.release.remote()])
         if self.model_dir is not None:
