@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm demo test test-fast lint format docs bench bench-trl
+.PHONY: setup setup-vllm setup-tf-old demo test test-tf-old test-fast lint format docs bench bench-trl
 
 setup:
 	bash scripts/setup.sh
@@ -15,11 +15,21 @@ setup-vllm:
 demo: setup
 	$(VENV)/bin/weir demo
 
+# .venv-tf-old: .venv with the oldest supported transformers in front (scripts/setup_tf_old.sh).
+setup-tf-old: setup
+	bash scripts/setup_tf_old.sh
+
+# The tests marked hf_compat, against the oldest supported transformers (the suite itself runs
+# against .venv's, the newest): both ends of the range weir supports.
+test-tf-old: setup-tf-old
+	WEIR_EXPECT_TRANSFORMERS=oldest .venv-tf-old/bin/python -m pytest -q -p no:cacheprovider \
+		-m hf_compat $$(grep -rl --include='test_*.py' 'mark.hf_compat' tests)
+
 # Two workers, one per core (every test uses one torch thread); whole files stay on one worker, so
-# module-scoped servers and Ray start once per file. The two environments are built side by side
-# (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
+# module-scoped servers and Ray start once per file. .venv-vllm is built beside .venv and the
+# old-transformers subset (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
 test:
-	$(MAKE) --no-print-directory -j2 setup setup-vllm
+	$(MAKE) --no-print-directory -j2 setup-vllm test-tf-old
 	$(PY) -m pytest -q -rs -n 2 --dist loadfile --durations=15
 
 test-fast: setup

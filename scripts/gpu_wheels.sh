@@ -23,6 +23,13 @@ for name in "${NAMES[@]}"; do
     --platform manylinux2014_x86_64 -d "$DIR" "$name==$version" \
     || "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR" "$name==$version"
 done
+# Liger's Triton kernels (pure Python, 0.9 MB) for train.fuse=liger and its GPU test
+# (tests/gpu/test_varlen_fuse_gpu.py); not installed here (it requires triton), so pinned here.
+# GPU_WHEELS_LIGER=0 leaves it out.
+if [ "${GPU_WHEELS_LIGER:-1}" != 0 ]; then
+  "$PY" -m pip download -q --no-deps -d "$DIR" "liger-kernel==${LIGER_VERSION:-0.8.5}" \
+    || echo "gpu_wheels: liger-kernel not downloaded; skipped" >&2
+fi
 # Ray, for the colocated Ray run (tests/gpu/test_colocated_ray.py, benchmarks/gpu_step.py --ray);
 # GPU_WHEELS_RAY=0 leaves it out. Its wheel (79 MB) is more than a 64 MiB transfer takes, so it is
 # unpacked without the parts weir never imports (Java jars, RLlib, Data, Serve, LLM) and packed

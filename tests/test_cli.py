@@ -32,6 +32,39 @@ def test_every_command_has_help():
         assert res.exit_code == 0 and "Usage" in res.output
 
 
+def _commands(group, path=()):
+    """(argv prefix, click command) of every command under `group`, sub-groups included."""
+    import click
+
+    for name, cmd in group.commands.items():
+        yield [*path, name], cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+
+
+def test_help_prints_every_bracketed_text_the_source_has():
+    """rich reads `[word]` as a style tag and drops it ("Defaults in  apply ..."): every `[...]` in
+    a command's or an option's help must reach `--help` as written, on every command."""
+    import re
+
+    import typer
+
+    root = typer.main.get_command(app)
+    checked = 0
+    for argv, cmd in _commands(root):
+        texts = [cmd.help or "", *(getattr(p, "help", None) or "" for p in cmd.params)]
+        brackets = {b.replace("\\[", "[") for t in texts for b in re.findall(r"\\?\[[^\[\]]*\]", t)}
+        if not brackets:
+            continue
+        res = runner.invoke(app, [*argv, "--help"], env={"COLUMNS": "80"})
+        assert res.exit_code == 0, res.output
+        shown = " ".join(re.sub(r"[│╭╮╰╯─]", " ", res.output).split())
+        for b in brackets:
+            assert " ".join(b.split()) in shown, (argv, b)
+            checked += 1
+    assert checked >= 2  # eval's "[brackets]" and its option defaults at least
+
+
 def test_config_docs_cover_every_key(tmp_path):
     out = tmp_path / "configuration.md"
     assert runner.invoke(app, ["config-docs", "--out", str(out)]).exit_code == 0
@@ -97,6 +130,33 @@ def test_eval_command_writes_metrics(tiny_model_dir, tmp_path):
     metrics = json.loads(out.read_text())
     assert metrics["eval/prompts"] == 12.0
     assert 0.0 <= metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= 1.0
+
+
+def test_eval_honours_size_on_rows_from_a_file_and_keeps_stderr_clean(tiny_model_dir, tmp_path):
+    """`weir eval --data FILE --size N` scores the file's first N rows (it scored them all), and the
+    `math` reward's math-verify notice ("Timeout is disabled ...", once per math-verify module and
+    process) never reaches stderr. In a process of its own: under pytest, logging has handlers, so
+    the notice would not reach stderr anyway."""
+    import json
+    import subprocess
+    import sys
+
+    from weir.tasks.arithmetic import make_rows
+
+    rows = make_rows("test", 10, seed=3)
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eval.json"
+    args = ["eval", str(tiny_model_dir), "--data", str(data), "--size", "4", "--reward", "math"]
+    args += ["--max-new-tokens", "3", "--out", str(out)]
+    code = "import sys; from weir.cli.main import app; sys.argv[0] = 'weir'; app()"
+    res = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(out.read_text())["eval/prompts"] == 4.0
+    assert "the first 4 of the 10 rows" in res.stderr
+    assert "Timeout is disabled" not in res.stderr + res.stdout
 
 
 def test_user_errors_print_a_message_not_a_traceback(tmp_path):

@@ -14,6 +14,8 @@ RULES = {
     "weir.engine.torch_engine weir.engine.router weir.engine.ray_engine weir.engine.role_router": ABOVE_ENGINE,
     "weir.rollout.multi_turn weir.rollout.collect": {"train", "loop", "serve", "cluster", "sync"},
     "weir.serve": {"train", "loop", "cluster", "sync"},
+    "weir.adapters weir.adapters.reasoning_gym weir.adapters.gymnasium weir.adapters.openenv "
+    "weir.adapters.textarena": {"train", "loop", "serve", "cluster", "sync"},
     "weir.buffer": {"engine", "train", "rollout", "loop", "serve", "cluster"},
     "weir.train.actor weir.train.role_trainer": {
         "engine",

@@ -15,7 +15,7 @@ import pytest
 from weir.sandbox import LEVELS, Limits, Sandbox, detect
 from weir.sandbox import sandbox as sandbox_module
 from weir.sandbox.isolation import SLOT_UID_BASE, SLOT_UIDS
-from weir.sandbox.process import processes_of_uid
+from weir.sandbox.uids import processes_of_uid
 
 FAST = Limits(wall_s=4, cpu_s=1, memory_mb=256, processes=8, output_bytes=65536)
 BEST = detect("auto")

@@ -83,6 +83,7 @@ def test_images_go_before_the_text_and_chat_parts_are_read(processor):
         vision_messages({"messages": [{"role": "user", "content": [{"type": "audio"}]}]})
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 def test_encoded_prompt_is_token_exact(processor):
     """One <|image_pad|> per merged patch, between vision_start/end, in the template's place; the
     pixels are the image processor's own output for that image."""

@@ -12,6 +12,7 @@ from weir.engine import SamplingParams
 from weir.tasks.tiny_model import build_tiny_model
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 def test_single_request(engine, model):
     prompt = make_prompts(1, 12, 12, seed=1)[0]
     (c,) = engine.submit(prompt, SamplingParams(max_new_tokens=24)).result(timeout=30)
@@ -20,6 +21,7 @@ def test_single_request(engine, model):
     assert_parity(model, prompt, c)
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_batched_prompts_of_different_lengths(engine, model, temperature):
     prompts = make_prompts(8, 2, 30, seed=2)
@@ -86,6 +88,7 @@ def test_prefill_budget_splits_admission(make_engine, model):
             assert_parity(model, prompt, c)
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 def test_eager_attention_and_llama(tmp_path, make_engine):
     path = build_tiny_model(tmp_path / "llama", size="nano", arch="llama", seed=3)
     for attn in ("eager", "sdpa"):

@@ -25,8 +25,14 @@ PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
 @pytest.fixture(scope="module")
 def replicas(base_model):
-    engines = [
-        ProcessEngine(copy.deepcopy(base_model), eos_token_ids=[EOS], pad_token_id=PAD, seed=7)
+    engines = [  # this process's thread count: bit-equal to an engine here needs the same one
+        ProcessEngine(
+            copy.deepcopy(base_model),
+            eos_token_ids=[EOS],
+            pad_token_id=PAD,
+            seed=7,
+            num_threads=torch.get_num_threads(),
+        )
         for _ in range(2)
     ]
     group = LocalReplicas(engines, seed=3)

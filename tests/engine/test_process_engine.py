@@ -24,7 +24,15 @@ PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
 @pytest.fixture
 def proc_engine(model):
-    eng = ProcessEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD, seed=7)
+    # the child computes with this process's thread count: bit-equal results need the same
+    # reduction order (WEIR_TEST_TORCH_THREADS=2 runs the suite with 2)
+    eng = ProcessEngine(
+        copy.deepcopy(model),
+        eos_token_ids=[EOS],
+        pad_token_id=PAD,
+        seed=7,
+        num_threads=torch.get_num_threads(),
+    )
     yield eng
     eng.close()
 

@@ -110,3 +110,41 @@ def test_an_fsdp2_module_round_trips_through_pinned_memory(tiny_model_dir):
         assert not torch.equal(first.to_local().cpu(), want[name])
     finally:
         dist.destroy_process_group()
+
+
+def test_overlapped_state_moves_are_waited_for_by_the_step_and_land_pinned():
+    """`StateMover`: AdamW's state comes to the device on a stream of its own (held back here, so
+    that a step not waiting for it would read memory not yet written) and goes back to pinned host
+    memory after the step (the compute stream held back, so that a copy not waiting for the step
+    would take the old values). Three steps land exactly where moves that wait land."""
+    from weir.train.offload import StateMover, move_optimizer_state
+
+    def run(overlap: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2048, 2048, device=CUDA)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mover = StateMover(CUDA, pinned=True)
+        x = torch.randn(64, 2048, device=CUDA)
+        for _ in range(3):
+            if overlap:
+                with torch.cuda.stream(mover.stream):
+                    torch.cuda._sleep(int(5e8))
+                mover.to_device(optimizer, CUDA)
+            else:
+                move_optimizer_state(optimizer, CUDA)
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if overlap:
+                torch.cuda._sleep(int(5e8))
+                mover.to_host(optimizer)
+                mover.wait()
+            else:
+                move_optimizer_state(optimizer, CPU, non_blocking=True)
+                torch.cuda.synchronize()
+        state = optimizer.state[model.weight]
+        assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].is_pinned()
+        return model.weight.detach().cpu(), state["exp_avg"].clone()
+
+    (w1, m1), (w2, m2) = run(True), run(False)
+    assert torch.equal(w1, w2) and torch.equal(m1, m2)

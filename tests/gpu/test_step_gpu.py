@@ -61,3 +61,31 @@ def test_the_new_step_trains_as_the_padded_two_pass_step_on_cuda(tiny_model_dir,
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     tol = 1e-4 if compute == "float32" else 3e-2
     assert torch.allclose(grads[0], grads[1], atol=tol, rtol=tol)
+
+
+def test_the_local_trainer_steps_with_fused_adamw_as_foreach_does(tiny_model_dir):
+    """CUDA float parameters: AdamW runs fused; three steps land where foreach's do (float32,
+    TF32 off: the two kernels differ only in rounding)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    weights = []
+    for fused in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(CUDA)
+        cfg = build_config(
+            {},
+            [
+                "rollout.batch_prompts=2",
+                "rollout.n=4",
+                "train.compute_dtype=float32",
+                "train.lr=1e-3",
+            ],
+        )
+        actor = Actor(model, ActorSettings.from_config(cfg))
+        assert actor.optimizer.defaults["fused"] is True
+        if not fused:
+            actor.optimizer.defaults["fused"] = None
+            for group in actor.optimizer.param_groups:
+                group["fused"], group["foreach"] = None, True
+        for _ in range(3):
+            actor.train(make_batch(toy_groups(), version=0))
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert (weights[0] - weights[1]).abs().max() < 1e-5

@@ -195,6 +195,73 @@ def test_gsm8k_answer_line_is_read_not_a_later_note(gsm8k_test_rows):
             assert REWARDS[name](wrong, {"answer": r["answer"]})["reward"] == 0.0, (name, wrong)
 
 
+# `#### N` followed on the same line by words that hold other numbers (model-written GSM8K endings)
+SAME_LINE = [
+    "#### {a} in total, from step {k}",
+    "#### {a}.\nHope this helps, {k} steps",
+    "#### ${c} dollars",
+    "#### ${c} dollars, after {k} weeks",
+    "#### {a} apples ({k} boxes of {k2})",
+    "####{a} because {k} - {k2} = something",
+    "#### {a}; checked with {k} methods.",
+    "#### \\({a}\\) cookies for {k} kids",
+]
+
+
+def test_gsm8k_number_right_after_hashes_is_the_answer(gsm8k_test_rows):
+    """GSM8K's and verl's convention: the number right after `####` is the answer, even when words
+    holding other numbers follow on the same line; a wrong number there scores 0 even when the gold
+    appears later on the line. Against both label formats: OpenAI's whole solution ("... #### 1,200")
+    and the bare final number weir.tasks.gsm8k stores ("1200")."""
+    from weir.tasks.gsm8k import final_answer
+
+    rows = gsm8k_test_rows[::40]
+    for i, r in enumerate(rows):
+        body = r["answer"].rsplit("####", 1)[0]
+        gold = int(final_answer(r["answer"]))
+        k, k2 = gold + 3 + i % 5, 2 + i % 7
+        for template in SAME_LINE:
+            for answer, expected in ((gold, 1.0), (gold + 1, 0.0)):
+                ending = template.format(a=answer, c=f"{answer:,}", k=k, k2=k2)
+                if expected == 0.0:
+                    ending += f" (not {gold})"
+                response = S(body + ending)
+                for label in (r["answer"], str(gold)):
+                    got = R.math(response, {"answer": label})
+                    assert got["reward"] == expected, (template, label, got)
+                    assert numeric(response, {"answer": label})["reward"] == expected
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("#### 18 in total, from step 1", 1.0),
+        ("#### 18.\nHope this helps, 3 steps", 1.0),
+        ("#### $1,200 dollars", 0.0),  # the gold is 18
+        ("#### -18 degrees by 3 pm", 0.0),
+        ("#### 3/4 of 24", 0.0),
+        ("#### \\frac{36}{2} cups, from step 2", 1.0),
+        ("#### 17 or maybe 18", 0.0),
+        ("work: 18 \\boxed{18}", 1.0),  # no `####`: \boxed{} and plain answers still read
+        ("The answer is 18. (Took 2 steps.)", 1.0),
+    ],
+)
+def test_math_answer_after_hashes(response, expected):
+    assert R.math(S(response), {"answer": "18"})["reward"] == expected
+    assert R.math(S(response), {"answer": "She had 6 * 3 = <<6*3=18>>18\n#### 18"})["reward"] == (
+        expected
+    )
+
+
+def test_answer_after_hashes_reads_the_leading_number():
+    assert R.answer_after_hashes("x\n#### $1,200 dollars, from step 3") == "1200"
+    assert R.answer_after_hashes("#### -5 degrees at 2 pm") == "-5"
+    assert R.answer_after_hashes("#### 2.5 hours, 3 times") == "2.5"
+    assert R.answer_after_hashes("#### \\frac{1}{2} cup, 3 times") == "1/2"
+    assert R.answer_after_hashes("#### x^2 + 1") == " x^2 + 1"  # an expression: the whole line
+    assert R.answer_after_hashes("#### 7\n#### 8 apples, 2 boxes") == "8"  # the last `####`
+
+
 @pytest.mark.parametrize(
     "response",
     [

@@ -269,6 +269,7 @@ def test_exceptions_and_timeouts_become_error_results_sync_and_async():
 # ------------------------------------------------------------------------------------ template
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 def test_tiny_chat_template_renders_system_tools_calls_and_results():
     tok = build_tokenizer()
     chat = [

@@ -44,8 +44,18 @@ def recorded_rank(tiny_model_dir, monkeypatch):
         )
         return 0
 
+    def state_to_device(self, optimizer, device) -> int:  # StateMover: the overlapped moves
+        moves.append(["optimizer (overlapped)"])
+        return 0
+
+    def state_to_host(self, optimizer) -> int:
+        moves.append(["optimizer (overlapped)"])
+        return 0
+
     monkeypatch.setattr(SyncTrainerRank, "_offloads", property(lambda self: True))
     monkeypatch.setattr(endpoints, "move_trainer", record)
+    monkeypatch.setattr(endpoints.StateMover, "to_device", state_to_device)
+    monkeypatch.setattr(endpoints.StateMover, "to_host", state_to_host)
     rank.setup("127.0.0.1", free_port())
     try:
         yield rank, moves
@@ -60,14 +70,33 @@ def test_parameters_stay_on_the_device_from_train_to_the_end_of_the_weight_sync(
 
     stats = rank.train(make_batch(toy_groups(), version=0))
     assert stats["train/grad_norm"] > 0
-    # all on the device for the step; then the reference and the optimizer state leave, and the
-    # parameters stay for the sync
-    assert moves == [["model", "ref", "optimizer"], ["ref", "optimizer"]]
+    assert stats["time/onload"] >= 0 and stats["time/offload"] >= 0
+    # all on the device for the step (the optimizer state on a stream of its own, overlapping
+    # the forward and backward); then the reference and the optimizer state leave (the state
+    # overlapping the sync), and the parameters stay for the sync
+    assert moves == [
+        ["model", "ref"],
+        ["optimizer (overlapped)"],
+        ["ref"],
+        ["optimizer (overlapped)"],
+    ]
     # the gradients are freed rather than moved: the next step zeroes them before its backward
     assert all(p.grad is None for p in rank.actor.model.parameters())
     moves.clear()
 
     buckets = plan_buckets(rank.layout("bfloat16"), 2**20)
-    sent = rank.stream(buckets, [], version=1)
-    assert sent == sum(m.nbytes for bucket in buckets for m in bucket)
+    sent, offload_s = rank.stream(buckets, [], version=1)
+    assert sent == sum(m.nbytes for bucket in buckets for m in bucket) and offload_s >= 0
     assert moves == [["model", "ref", "optimizer"]]  # the sync read them; now they leave
+
+
+def test_one_rank_streams_its_weights_without_a_gather(recorded_rank):
+    """A group of one: each bucket holds the parameters themselves, cast to the wire dtype."""
+    from weir.sync.shards import gather_buckets
+
+    rank, _ = recorded_rank
+    state = rank._sharded()
+    buckets = plan_buckets(rank.layout("bfloat16"), 2**16)
+    flats = list(gather_buckets(state, buckets, torch.device("cpu"), root=True))
+    want = torch.cat([state[m.name].to_local().reshape(-1) for b in buckets for m in b])
+    assert torch.equal(torch.cat(flats), want.to(torch.bfloat16))

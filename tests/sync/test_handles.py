@@ -35,3 +35,37 @@ def test_tied_tensors_travel_once_and_metas_take_the_wire_dtype():
     assert metas["embed.weight"].shape == (4, 3) and metas["embed.weight"].dtype == "bfloat16"
     assert metas["embed.weight"].nbytes == 4 * 3 * 2
     assert metas["pos"].dtype == "int64"  # integer tensors keep their dtype
+
+
+def test_an_engine_takes_buckets_in_order_and_maps_a_reused_buffer_once(monkeypatch):
+    """Rank 0 hands bucket 1 over before the engine has read bucket 0 (two staging buffers): the
+    engine still loads them in order, maps each buffer once, and releases each sender after its
+    bucket is copied."""
+    import threading
+
+    import weir.sync.handoff as handoff
+    from weir.sync.broadcast import TensorMeta
+
+    cpu = torch.device("cpu")
+    buffers = [alloc_shareable(16, torch.uint8, cpu) for _ in range(2)]
+    handles = [share(b) for b in buffers]
+    values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
+    buckets = [[TensorMeta(name, (2,), "float32")] for name in ("a", "b", "c")]
+    opened = []
+    real_open = handoff.open_handle
+    monkeypatch.setattr(handoff, "open_handle", lambda h, d: opened.append(h) or real_open(h, d))
+    inbox = handoff.Inbox()
+    done = [threading.Event() for _ in buckets]
+    buffers[1][:8].view(torch.float32).copy_(values[1])
+    inbox.items.put((1, handles[1], done[1]))  # early
+    buffers[0][:8].view(torch.float32).copy_(values[0])
+    inbox.items.put((0, handles[0], done[0]))
+    got = {}
+    for name, tensor in inbox.stream(buckets, cpu):
+        got[name] = tensor.clone()
+        if name == "b":  # bucket 2 reuses buffer 0, once bucket 0 was copied out of it
+            assert done[0].is_set() and not done[1].is_set()
+            buffers[0][:8].view(torch.float32).copy_(values[2])
+            inbox.items.put((2, handles[0], done[2]))
+    assert [got[k].tolist() for k in "abc"] == [v.tolist() for v in values]
+    assert all(d.is_set() for d in done) and len(opened) == 2

@@ -85,6 +85,20 @@ def test_arithmetic_no_train_test_overlap(opts):
     assert all(arithmetic.split_of(p) == "test" for p in test)
 
 
+def test_arithmetic_in_words_keeps_the_problems_and_their_split():
+    words = "What is {a} {op} {b}? Reply with only the final number."
+    bare = arithmetic.make_rows("test", 100, 3)
+    worded = arithmetic.make_rows("test", 100, 3, template=words)
+    assert [r["answer"] for r in worded] == [r["answer"] for r in bare]
+    first = bare[0]["prompt"]
+    assert (
+        worded[0]["prompt"]
+        == f"What is {first[:2]} + {first[3:]}? Reply with only the final number."
+    )
+    with pytest.raises(ValueError, match=r"only \{a\}, \{op\} and \{b\}"):
+        arithmetic.make_rows("test", 1, 0, template="What is {x}?")
+
+
 def test_arithmetic_small_space_repeats_within_split():
     rows = arithmetic.make_rows("train", 500, 0, digits=1)  # ~90 train problems of 100
     assert len(rows) == 500 and len({r["prompt"] for r in rows}) < 100

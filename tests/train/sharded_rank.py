@@ -32,10 +32,11 @@ def main(rank: int, world: int, port: int, model_dir: str, work: Path) -> None:
     trainer = TrainerRank(RankSettings.from_config(cfg), model_dir, rank, world)
     trainer.setup("127.0.0.1", port)
     out: dict = {"start": trainer.start_stats()}
-    out["layout_at_start"] = trainer.actor._layout  # None: `auto` is resolved at the first forward
+    out["layout_at_start"] = trainer.actor._layouts  # None: `auto` is resolved at the first forward
     batch = make_batch(toy_groups(), version=0)
     trainer.train(batch)  # the optimizer state exists from here on
     out["layout"] = trainer.actor.layout
+    out["candidates"] = trainer.actor.layouts.candidates
     path = work / "ckpt" / "trainer"
     baseline = reset_peak_rss()
     with AllocationPeak() as probe:

@@ -95,19 +95,19 @@ def run(way: str, model_dir: str, rank: int, out: Path) -> dict:
     if way == "full":
         actor.fuses_old_logprobs = actor.skips_dead_backward = False
     spy = Spy(actor)
-    real_finite = actor_module.finite_forward
+    real_finite = actor_module.finite_flag
     calls = {"n": 0}
     if way == "injected" and rank == 1:
 
         def finite_once_not(*a, **k):  # rank 1's first micro-batch reads as non-finite
             calls["n"] += 1
-            return calls["n"] > 1 and real_finite(*a, **k)
+            return real_finite(*a, **k) & (calls["n"] > 1)
 
-        actor_module.finite_forward = finite_once_not
+        actor_module.finite_flag = finite_once_not
     batch = make_batch(groups(), version=0)
     stats = [actor.train(batch) for _ in range(2)]
     actor.train(make_batch(groups(all_dead=True), version=0))  # AdamW steps on a zero gradient
-    actor_module.finite_forward = real_finite
+    actor_module.finite_flag = real_finite
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(

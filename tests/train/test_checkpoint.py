@@ -80,6 +80,7 @@ def test_prune_removes_leftovers_of_killed_writes(tmp_path):
     assert (tmp_path / "step_00000001").exists()
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 def test_export_round_trip_generates_with_transformers(tmp_path, tiny_model_dir):
     """A run checkpoint exported with `weir export` loads in plain transformers, generates, and its
     logits equal the trainer's on the checkpointed weights."""

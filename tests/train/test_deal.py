@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weir.train.deal import deal_groups
+from weir.train.deal import balance, deal_groups
 
 
 @settings(max_examples=100, deadline=None)
@@ -38,3 +38,15 @@ def test_every_row_goes_to_one_rank_with_its_whole_group(shapes, ranks):
     size = {g: shapes[g][0] + sum(shapes[g][1]) for g in set(group_of)}
     loads = [sum(size[g] for g in {group_of[i] for i in b}) for b in bins]
     assert max(loads) - min(loads) <= max(size.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4096), min_size=1, max_size=60), st.integers(1, 8))
+def test_packed_rows_are_dealt_by_tokens_not_by_count(lengths, ranks):
+    """The `varlen` (and `padded`) layouts deal rows to ranks by tokens: the heaviest rank holds
+    at most one sequence more than the lightest, in tokens, whatever the rows per rank."""
+    bins = balance(lengths, ranks)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert balance(lengths, ranks) == bins

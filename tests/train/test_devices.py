@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.adam_compare import assert_adamw_weights_agree
 from tests.fake_device import DeviceMismatch, FakeDevice, OnDevice, move_module
 from tests.toy import toy_groups
 from weir.config import build_config
@@ -57,9 +58,12 @@ def test_a_training_step_on_another_device_matches_the_cpu_step(tiny_model_dir, 
     (cpu_stats, cpu_g, cpu_w), (dev_stats, dev_g, dev_w) = results
     assert dev_stats["train/grad_norm"] == pytest.approx(cpu_stats["train/grad_norm"], rel=1e-6)
     assert dev_stats["kl/ref"] == pytest.approx(cpu_stats["kl/ref"], abs=1e-7)
-    assert torch.allclose(dev_g, cpu_g, atol=1e-6)
-    # the first AdamW step is lr * g / (|g| + eps): +-lr, sensitive to rounding where |g| ~ eps
-    assert (dev_w - cpu_w).abs().max() < 1e-4 and (dev_w - cpu_w).abs().mean() < 1e-7
+    # gradients: the same up to summation order (seen: 2.5e-8 of a largest |g| of 0.05)
+    assert torch.allclose(dev_g, cpu_g, rtol=0, atol=1e-6)
+    # the first AdamW step: sqrt(v_hat) = |g| (tests/adam_compare.py); this batch leaves 4% of
+    # the weights with |g| < 1e3 * eps, where the two steps are not comparable
+    smaller = torch.minimum(cpu_g.abs(), dev_g.abs())
+    assert_adamw_weights_agree(cpu_w, dev_w, smaller, lr=cfg.train.lr, max_step=1.0)
 
 
 def test_a_batch_left_on_the_cpu_is_caught(tiny_model_dir, monkeypatch):

@@ -78,6 +78,7 @@ def test_merged_weights_are_w_plus_scaled_b_a(tiny_model_dir, rank, alpha, rslor
             assert torch.equal(merged[name], w), name
 
 
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 def test_engine_gets_merged_weights_and_matches_trainer_logprobs(tiny_model_dir):
     """After a sync the engine's weights are W + (alpha/r) B A and its sampled log-probs are the
     trainer's LoRA model's (to float rounding: the merged and unmerged products round differently)."""

@@ -75,9 +75,9 @@ def test_auto_resolves_to_prefix_at_the_first_step_in_the_compute_dtype(
         {}, ["rollout.batch_prompts=2", "rollout.n=4", "train.compute_dtype=bfloat16"]
     )
     actor = ShardedActor(model, ActorSettings.from_config(cfg))
-    assert actor._layout is None
+    assert actor._layouts is None
     actor.train(make_batch(toy_groups(), version=0))
-    assert actor.layout == "prefix"
+    assert "prefix" in actor.layouts.candidates
 
 
 def test_compute_device_is_where_fsdp_gathers_not_where_shards_rest(tiny_model_dir, one_rank_group):
@@ -116,3 +116,32 @@ def test_a_meta_model_sharded_for_a_gpu_rank_gets_the_cpu_offload_policy(
     seen.clear()
     sharded_actor.shard_model(meta, offload=True, device=torch.device("cpu"))
     assert seen and not any(isinstance(kw["offload_policy"], CPUOffloadPolicy) for kw in seen)
+
+
+def test_the_varlen_layout_on_an_fsdp2_rank_trains_what_one_process_trains(
+    tiny_model_dir, one_rank_group
+):
+    """The varlen forward's kwargs pass through FSDP2's hooks: a sharded rank's gradient equals
+    the one-process varlen step's, and the padded step's."""
+    from weir.train.actor import Actor
+
+    batch = make_batch(toy_groups(), version=0)
+    grads = {}
+    for name, cls, packing in (
+        ("sharded", ShardedActor, "varlen"),
+        ("one", Actor, "varlen"),
+        ("padded", Actor, "padded"),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        opts = ["rollout.batch_prompts=2", "rollout.n=4", f"train.packing={packing}"]
+        actor = cls(model, ActorSettings.from_config(build_config({}, opts)))
+        actor.train(batch)
+        assert actor.layout == packing
+        grads[name] = torch.cat(
+            [
+                (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                for p in actor.model.parameters()
+            ]
+        )
+    assert torch.allclose(grads["sharded"], grads["one"], atol=1e-6, rtol=1e-4)
+    assert torch.allclose(grads["one"], grads["padded"], atol=1e-5, rtol=1e-3)

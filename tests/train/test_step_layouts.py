@@ -90,6 +90,7 @@ def _run(layout: str, seqs, lens, temperature: float):
     st.sampled_from([1.0, 0.7]),
     st.randoms(use_true_random=False),
 )
+@pytest.mark.hf_compat  # also run against the oldest supported transformers
 @pytest.mark.parametrize("pass_tokens", [0, 10**9], ids=["a-pass-per-length", "one-pass"])
 def test_prefix_layout_gives_the_padded_logprobs_entropy_and_gradients(
     pass_tokens, shapes, temperature, rnd

@@ -22,7 +22,15 @@ Typical step::
 from .advantages import ADVANTAGES, AdvantageResult, compute_advantages, masked_whiten
 from .aggregation import AGG_MODES, aggregate_loss
 from .correction import CORRECTION_MODES, CorrectionResult, rollout_correction
-from .entropy import entropy_from_logits, logprobs_from_logits
+from .correction_presets import (
+    CORRECTION_PRESETS,
+    RECOMMENDABLE,
+    mismatch_diagnostics,
+    preset_settings,
+    recommend_preset,
+)
+from .distill import reverse_kl, reverse_kl_advantages, reverse_kl_loss
+from .entropy import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from .kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -31,7 +39,7 @@ from .kl import (
     kl_token_rewards,
     make_kl_controller,
 )
-from .policy_loss import POLICY_LOSSES, compute_policy_loss
+from .policy_loss import POLICY_LOSSES, compute_policy_loss, policy_loss_terms
 from .registry import Registry, resolve
 from .value_loss import ValueLoss, value_loss
 
@@ -39,6 +47,8 @@ __all__ = [
     "ADVANTAGES",
     "AGG_MODES",
     "CORRECTION_MODES",
+    "CORRECTION_PRESETS",
+    "RECOMMENDABLE",
     "KL_KINDS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
@@ -55,8 +65,16 @@ __all__ = [
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_whiten",
+    "mismatch_diagnostics",
+    "policy_loss_terms",
+    "preset_settings",
+    "recommend_preset",
     "resolve",
+    "reverse_kl",
+    "reverse_kl_advantages",
+    "reverse_kl_loss",
     "rollout_correction",
+    "token_logprobs_and_entropy",
     "ValueLoss",
     "value_loss",
 ]

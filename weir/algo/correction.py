@@ -30,8 +30,18 @@ from .registry import suggest
 
 __all__ = ["CORRECTION_MODES", "CorrectionResult", "rollout_correction"]
 
-CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")
-CorrectionMode = Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"]
+CORRECTION_MODES = (
+    "none",
+    "token_tis",
+    "seq_tis",
+    "token_mask",
+    "seq_mask",
+    "token_mis",
+    "seq_mis",
+)
+CorrectionMode = Literal[
+    "none", "token_tis", "seq_tis", "token_mask", "seq_mask", "token_mis", "seq_mis"
+]
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -78,6 +88,12 @@ def rollout_correction(
       from the mask.
     * ``seq_mask``: weight 1, sequences with ``rho_seq`` outside ``[low, high]``
       removed from the mask.
+    * ``token_mis``: masked importance sampling per token, ``w = rho`` where
+      ``low <= rho <= high``, the token removed otherwise (IcePop, Ling Team 2025).
+    * ``seq_mis``: ``w = rho_seq`` on every token of a sequence with
+      ``low <= rho_seq <= high``, the sequence removed otherwise (MIS, Liu, Li et al. 2025).
+
+    Named combinations with their published bands are in :mod:`weir.algo.correction_presets`.
 
     ``train_logp`` should be the trainer's log-probs of the policy that generated the
     batch (e.g. the ``old_logp`` recomputed before the update), ``rollout_logp`` the
@@ -89,8 +105,8 @@ def rollout_correction(
         mask: [B, T] 0/1.
         mode: one of :data:`CORRECTION_MODES` (default ``none``).
         cap: truncation ``C`` for the ``*_tis`` modes (> 0, default 2.0).
-        low, high: acceptance interval for the ``*_mask`` modes (``0 <= low < high``,
-            defaults 0.5 and 2.0).
+        low, high: acceptance interval for the ``*_mask`` and ``*_mis`` modes
+            (``0 <= low < high``, defaults 0.5 and 2.0).
         seq_ratio: ``product`` (default) or ``geometric``.
 
     Returns:
@@ -149,11 +165,15 @@ def rollout_correction(
             weights = rho_seq_tok.clamp(max=cap)
         else:
             weights = torch.ones_like(rho)
-            if mode == "token_mask":
+            if mode in ("token_mask", "token_mis"):
                 new_mask = m & (rho >= low) & (rho <= high)
-            elif mode == "seq_mask":
+            elif mode in ("seq_mask", "seq_mis"):
                 ok = (rho_seq >= low) & (rho_seq <= high)
                 new_mask = m & ok.unsqueeze(1)
+            if mode == "token_mis":
+                weights = rho
+            elif mode == "seq_mis":
+                weights = rho_seq_tok
         weights = sanitize(weights, new_mask)
 
         n_tok = m.sum().clamp(min=1).to(dtype)

@@ -1,7 +1,7 @@
 """Entropy and token log-probabilities from logits, chunked over tokens.
 
-Both functions take logits [..., V], process ``chunk_size`` rows at a time in float32
-(float64 stays float64) and never hold more than one chunk of vocab-sized temporaries:
+Every function takes logits [..., V], processes ``chunk_size`` rows at a time in float32
+(float64 stays float64) and never holds more than one chunk of vocab-sized temporaries:
 no full ``log_softmax`` / ``softmax`` copy of the logits is built, neither in the forward
 nor in the backward pass. The backward pass recomputes each chunk from the saved logits
 (a reference, not a copy) and the saved per-row logsumexp / entropy. Gradients are
@@ -9,11 +9,25 @@ returned in the logits' dtype. Double backward is not supported.
 
 ``temperature`` divides the logits inside each chunk, so ``logits / T`` is never
 materialised either.
+
+`logprobs_from_logits` and `entropy_from_logits` are the reference: one statistic each, their
+inputs checked (one host synchronisation per call). `token_logprobs_and_entropy` is what the
+trainer runs: both statistics from one pass over each chunk and one gradient (the two
+statistics' terms summed in float32 before the single cast to the logits' dtype), no check
+that reads the device. Its chunk functions are plain tensor code; on CUDA, where Triton and a
+C compiler are there, they run `torch.compile`d (`kernel="auto"`), which fuses each chunk's
+upcast, reductions and gradient into a few kernels that read the bfloat16 logits instead of
+materialising float32 temporaries (about 10 bytes per logit element against about 144).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -21,7 +35,15 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive, check_shape, check_tensor
 
-__all__ = ["entropy_from_logits", "logprobs_from_logits", "DEFAULT_CHUNK_SIZE"]
+__all__ = [
+    "entropy_from_logits",
+    "logprobs_from_logits",
+    "token_logprobs_and_entropy",
+    "compile_status",
+    "DEFAULT_CHUNK_SIZE",
+]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -202,3 +224,239 @@ def logprobs_from_logits(
             "logits: some rows give a non-finite log-prob (NaN logits, or -inf at the token id)"
         )
     return out.reshape(token_ids.shape)
+
+
+# -- the trainer's fused pass ----------------------------------------------------------------------
+
+EntropyMode = Literal["none", "value", "grad"]
+Kernel = Literal["auto", "compiled", "eager"]
+
+
+def _stats_chunk(x: Tensor, ids: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, ...]:
+    """One chunk's forward, from one read of its logits: per row the maximum m of ``z = x / T``
+    (0 where it is infinite, as `torch.logsumexp` takes it), ``log s = log sum_v exp(z_v - m)``,
+    the log-prob ``z[id] - (m + log s)`` and, with `entropy`, ``H = -sum_v p_v log p_v`` with
+    ``log p = (z - m) - log s`` (``p log p = 0`` where ``p = 0``); float32 (float64 for float64
+    logits). The same operations as `torch.logsumexp` and `torch.log_softmax`, so the values are
+    those of the reference functions; in place where it can, so that eagerly two chunk-sized
+    temporaries exist at a time."""
+    z = x.to(_compute_dtype(x), copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(m.abs() == float("inf"), 0.0, m)
+    target = z.gather(1, ids[:, None])
+    zm = z.sub_(m)
+    e = zm.exp()
+    log_s = e.sum(-1, keepdim=True).log_()
+    logp = target - (log_s + m)
+    if not entropy:
+        return m[:, 0], log_s[:, 0], logp[:, 0]
+    lp = zm.sub_(log_s)
+    p = torch.exp(lp, out=e)
+    zero = p == 0
+    plogp = p.mul_(lp).masked_fill_(zero, 0.0)
+    return m[:, 0], log_s[:, 0], logp[:, 0], plogp.sum(-1).neg_()
+
+
+def _grad_chunk(
+    x: Tensor,
+    ids: Tensor,
+    m: Tensor,
+    log_s: Tensor,
+    h: Tensor | None,
+    g_logp: Tensor,
+    g_h: Tensor | None,
+    temperature: float,
+    out: Tensor,
+    scatter: bool = True,
+) -> None:
+    """One chunk's gradient into `out` (the logits' dtype), recomputed from the chunk and the
+    forward's m and log s (`_stats_chunk`):
+
+        d logp / dz_v = (onehot(id)_v - p_v) / T     d H / dz_v = -p_v (log p_v + H) / T
+
+    each times its upstream gradient (g, g_H), summed in float32:
+    ``-p (g + g_H (log p + H)) / T`` (0 where p = 0), plus ``g / T`` at the token id, added by
+    `scatter` (eager: in place) or by a comparison with the column index (one fused kernel when
+    compiled)."""
+    z = x.to(m.dtype, copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    lp = z.sub_(m[:, None]).sub_(log_s[:, None])
+    g_row = (g_logp / temperature)[:, None]
+    p = lp.exp()
+    if g_h is not None and h is not None:
+        zero = p == 0
+        t = lp.add_(h[:, None]).mul_((g_h / temperature)[:, None]).add_(g_row)
+        g = p.mul_(t).neg_().masked_fill_(zero, 0.0)
+    else:
+        g = p.mul_(-g_row)
+    if scatter:
+        g.scatter_add_(1, ids[:, None], g_row)
+    else:
+        hit = torch.arange(g.shape[1], device=g.device)[None] == ids[:, None]
+        g = torch.where(hit, g + g_row, g)
+    out.copy_(g)
+
+
+_compiled: dict[str, Callable[..., Any]] = {}
+_compile_failure: list[str] = []  # why the compiled kernels failed once in this process
+
+
+def compile_status(device: torch.device | str) -> str:
+    """``"available"`` when `token_logprobs_and_entropy` compiles its chunk functions for tensors
+    on `device` (kernel="auto"), else why not: not CUDA (compiling on a CPU costs minutes), no
+    `torch.compile`, no Triton, no C compiler (Triton builds its launchers with one), or an
+    earlier compile in this process failed."""
+    if torch.device(device).type != "cuda":
+        return "not CUDA: eager chunks"
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if not any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")):
+        return "no C compiler (cc, gcc or clang; Triton needs one)"
+    if _compile_failure:
+        return f"compiling failed in this process: {_compile_failure[0]}"
+    return "available"
+
+
+def _call(fn: Callable[..., Any], compiled: bool, *args: Any) -> Any:
+    """`fn(*args)`, `torch.compile`d when `compiled`; a compiler failure (not an out-of-memory)
+    is logged once and the eager function runs from then on."""
+    if not compiled or _compile_failure:
+        return fn(*args)
+    cfn = _compiled.get(fn.__name__)
+    if cfn is None:
+        cfn = _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+    try:
+        return cfn(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any compiler error: the eager code computes the same
+        _compile_failure.append(f"{type(err).__name__}: {str(err)[:200]}")
+        log.warning(
+            "the compiled log-prob kernel failed (%s); using the eager chunks from now on",
+            _compile_failure[0],
+        )
+        return fn(*args)
+
+
+class _FusedStats(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        ids: Tensor,
+        chunk_size: int,
+        temperature: float,
+        entropy: EntropyMode,
+        compiled: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        dtype = _compute_dtype(logits)
+        m, log_s, logp = (torch.empty(n, dtype=dtype, device=logits.device) for _ in range(3))
+        h = torch.empty(n if entropy != "none" else 0, dtype=dtype, device=logits.device)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            part = _call(
+                _stats_chunk, compiled, logits[s:e], ids[s:e], temperature, entropy != "none"
+            )
+            m[s:e], log_s[s:e], logp[s:e] = part[0], part[1], part[2]
+            if entropy != "none":
+                h[s:e] = part[3]
+        ctx.save_for_backward(logits, ids, m, log_s, h if entropy == "grad" else None)
+        ctx.chunk_size, ctx.temperature, ctx.compiled = chunk_size, temperature, compiled
+        ctx.set_materialize_grads(False)
+        if entropy != "grad":
+            ctx.mark_non_differentiable(h)
+        return logp, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_logp: Tensor | None, g_h: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, ids, m, log_s, h = ctx.saved_tensors
+        if h is None:
+            g_h = None
+        if g_logp is None and g_h is None:
+            return (None,) * 6
+        if g_logp is None:
+            g_logp = torch.zeros_like(m)
+        grad = torch.empty_like(logits)
+        n = logits.shape[0]
+        for s in range(0, n, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, n)
+            _call(
+                _grad_chunk,
+                ctx.compiled,
+                logits[s:e],
+                ids[s:e],
+                m[s:e],
+                log_s[s:e],
+                None if g_h is None else h[s:e],
+                g_logp[s:e],
+                None if g_h is None else g_h[s:e],
+                ctx.temperature,
+                grad[s:e],
+                not ctx.compiled,
+            )
+        return grad, None, None, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    token_ids: Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    temperature: float = 1.0,
+    entropy: EntropyMode = "value",
+    kernel: Kernel = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of `token_ids` and the entropy under ``softmax(logits / temperature)``, from one
+    pass over each chunk of rows: `logprobs_from_logits` and `entropy_from_logits` in one.
+
+    ``logp_i = z_{i, y_i} - logsumexp_v z_{i, v}`` and ``H_i = -sum_v p_{i,v} log p_{i,v}`` with
+    ``z = logits / T``. The backward recomputes each chunk from the logits and returns one
+    gradient, ``(g_logp (onehot(y) - p) - g_H p (log p + H)) / T``, summed in float32 before the
+    cast to the logits' dtype.
+
+    Args:
+        logits: [N, V] (or [..., V]) float logits; bfloat16 logits are read as they are.
+        token_ids: [N] (or [...]) integer ids in ``[0, V)``. Not checked on the device (that would
+            cost a host synchronisation): an id out of range is an indexing error there.
+        chunk_size: rows per chunk.
+        temperature: the sampling temperature T (> 0).
+        entropy: ``"grad"``: the entropy with its gradient (an entropy bonus trains on it);
+            ``"value"``: computed in the same pass without a gradient (a metric); ``"none"``: not
+            computed (returns None).
+        kernel: ``"eager"`` runs the chunk functions as they are; ``"compiled"`` runs them through
+            `torch.compile` (CUDA with Triton and a C compiler: `compile_status`); ``"auto"``
+            compiles where `compile_status` says it can. A compiler error falls back to eager.
+
+    Returns:
+        (log-probs, entropy or None), shaped as `token_ids`, float32 (float64 for float64 logits).
+        Non-finite values are returned as they are (NaN logits, an id whose logit is -inf).
+    """
+    logits = check_float_tensor("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected shape [..., V] with V > 0, got {tuple(logits.shape)}")
+    token_ids = check_tensor("token_ids", token_ids)
+    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids: expected an integer tensor, got dtype {token_ids.dtype}")
+    check_shape("token_ids", token_ids, logits.shape[:-1], "logits.shape[:-1]")
+    _check_chunk(chunk_size)
+    temperature = check_positive("temperature", temperature)
+    if entropy not in ("none", "value", "grad"):
+        raise ValueError(f"entropy: expected 'none', 'value' or 'grad', got {entropy!r}")
+    if kernel not in ("auto", "compiled", "eager"):
+        raise ValueError(f"kernel: expected 'auto', 'compiled' or 'eager', got {kernel!r}")
+    status = compile_status(logits.device)
+    if kernel == "compiled" and status != "available":
+        raise ValueError(f"kernel='compiled': {status}; use kernel='auto' or 'eager'")
+    compiled = kernel != "eager" and status == "available"
+    flat = logits.reshape(-1, logits.shape[-1])
+    ids = token_ids.reshape(-1).long()
+    logp, h = _FusedStats.apply(flat, ids, chunk_size, temperature, entropy, compiled)
+    shape = token_ids.shape
+    return logp.reshape(shape), None if entropy == "none" else h.reshape(shape)

@@ -46,6 +46,7 @@ __all__ = [
     "POLICY_LOSSES",
     "LOG_RATIO_CLAMP",
     "compute_policy_loss",
+    "policy_loss_terms",
     "ppo",
     "gspo",
     "cispo",
@@ -403,6 +404,64 @@ def compute_policy_loss(
         clipfrac_high, approx_kl, ratio_mean, ratio_max, ...), kl_ref and entropy when
         given.
     """
+    loss, stats = policy_loss_terms(
+        name_or_fn,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        agg=agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_len=max_len,
+        behavior_logp=behavior_logp,
+        weights=weights,
+        ref_logp=ref_logp,
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+        entropy=entropy,
+        entropy_coef=entropy_coef,
+        check_values=True,
+        **options,
+    )
+    keys = list(stats)
+    values = torch.stack([stats[k].to(dtype=torch.float32) for k in keys]).tolist()
+    metrics = dict(zip(keys, values, strict=True))
+    if not all(map(math.isfinite, values)):
+        bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+        raise ValueError(
+            f"policy loss {_loss_name(name_or_fn)!r} produced non-finite {', '.join(bad)} from "
+            "finite inputs"
+        )
+    return loss, metrics
+
+
+def policy_loss_terms(
+    name_or_fn: str | Callable[..., Any],
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    agg: AggMode,
+    num_tokens: float,
+    num_seqs: float,
+    max_len: int | None = None,
+    behavior_logp: Tensor | None = None,
+    weights: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: KLKind = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    check_values: bool = False,
+    **options: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`compute_policy_loss` without reading the device: the loss and its metrics as 0-d tensors
+    (on `logp`'s device), no check of the values (the mask's 0s and 1s, finiteness: unless
+    `check_values`), one micro-batch at no host synchronisation. For the trainer, whose inputs
+    are checked where they are made and which reads every micro-batch's metrics in one transfer
+    per step; a non-finite input reaches the loss."""
     fn = resolve(name_or_fn, POLICY_LOSSES)
     who = _loss_name(name_or_fn)
     check_agg(agg, max_len)
@@ -416,7 +475,7 @@ def compute_policy_loss(
         )
     entropy_coef = check_finite_number("entropy_coef", entropy_coef)
     logp = check_float_tensor("logp", logp, ndim=2)
-    m = check_mask("mask", mask, logp.shape)
+    m = check_mask("mask", mask, logp.shape) if check_values else _mask_layout(mask, logp.shape)
     shape = tuple(logp.shape)
     tensors: dict[str, Tensor | None] = {
         "old_logp": old_logp,
@@ -436,7 +495,8 @@ def compute_policy_loss(
         raise ValueError("ref_logp: kl_coef != 0 needs the reference log-probs ref_logp=")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy: entropy_coef != 0 needs the per-token entropy entropy=")
-    check_finite_where({"logp": logp, **tensors}, m)
+    if check_values:
+        check_finite_where({"logp": logp, **tensors}, m)
 
     def clean(x: Tensor | None, detach: bool = True) -> Tensor | None:
         if x is None:
@@ -478,16 +538,16 @@ def compute_policy_loss(
     stats["tokens"] = m.sum()
     for k, v in raw_metrics.items():
         stats[k] = v.detach() if isinstance(v, Tensor) else torch.tensor(float(v))
-    keys = list(stats)
-    values = torch.stack([stats[k].to(device=logp.device, dtype=torch.float32) for k in keys])
-    values = values.tolist()
-    metrics = dict(zip(keys, values, strict=True))
-    if not all(map(math.isfinite, values)):
-        bad = [k for k, v in metrics.items() if not math.isfinite(v)]
-        raise ValueError(
-            f"policy loss {who!r} produced non-finite {', '.join(bad)} from finite inputs"
-        )
-    return loss, metrics
+    return loss, {k: v.to(logp.device) for k, v in stats.items()}
+
+
+def _mask_layout(mask: object, shape: tuple[int, ...]) -> Tensor:
+    """The mask as bool, its shape checked but not its values (no device read)."""
+    mask = check_tensor("mask", mask)
+    check_shape("mask", mask, shape, "(batch, response_tokens)")
+    if mask.numel() == 0:
+        raise ValueError(f"mask: empty batch, got shape {tuple(mask.shape)}")
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def _unpack(out: Any, who: str) -> tuple[Tensor, dict[str, Any]]:

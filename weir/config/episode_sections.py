@@ -31,7 +31,7 @@ class ServeConfig(Section):
     """max_tokens of a chat request that sets none (capped by max_tokens)."""
     max_n: int = Field(8, ge=1)
     """Most completions per request (requests in a recorded session must use n=1)."""
-    tool_format: Literal["hermes", "tag"] = "hermes"
+    tool_format: str = "hermes"
     """How the model writes tool calls (see agent.tool_format); parsed into `tool_calls`."""
 
 
@@ -45,9 +45,12 @@ class AgentConfig(Section):
     """Keyword arguments for the environment factory."""
     tools: list[str] = Field(default_factory=list)
     """Tools of the tools environment: dotted paths `pkg.mod:fn` (or built-in tool names)."""
-    tool_format: Literal["hermes", "tag"] = "hermes"
-    """How the model writes calls: `hermes` `<tool_call>{"name":..,"arguments":{..}}</tool_call>`,
-    or `tag` `<name>input</name>` (e.g. `<calc>12*34</calc>`), easy for tiny models."""
+    tool_format: str = "hermes"
+    """How the model writes calls, by model family: `hermes` (= `qwen2_5`, `qwen3`:
+    `<tool_call>{"name":..,"arguments":{..}}</tool_call>`), `qwen3_coder` (XML parameters),
+    `llama3_json`, `mistral` (`[TOOL_CALLS]`), `deepseek_v3`, `harmony` (GPT-OSS), `tag`
+    (`<calc>12*34</calc>`, easy for tiny models), or a dotted path to a format of your own
+    (docs/agents.md#tool-call-formats)."""
     show_tools: bool = True
     """Pass the tools' JSON schemas to the chat template (`tools=`) when building the prompt."""
     max_turns: int = Field(4, ge=1)
@@ -57,6 +60,13 @@ class AgentConfig(Section):
     rollout.max_new_tokens."""
     tool_timeout_s: float | None = Field(10.0, gt=0)
     """A tool call taking longer becomes an error observation."""
+    play_cut_turns: bool = False
+    """A turn cut at rollout.max_new_tokens is still passed to the environment (games and gym
+    environments judge any text) instead of ending the episode as truncated."""
+    env_timeout_s: float | None = Field(60.0, gt=0)
+    """An environment's reset or step taking longer fails that episode (counted in
+    agent/env_timeouts); a sync environment runs on a thread of its episode's own, so a hung one
+    stalls no other episode."""
     reward: Literal["task", "env", "sum"] = "sum"
     """Sample reward: the reward function's (`task`), the discounted sum of the environment's
     per-step rewards (`env`), or both added (`sum`)."""
@@ -157,22 +167,27 @@ class SandboxConfig(Section):
     max_parallel: int = Field(4, ge=1)
     """Executions at once; more wait for a slot (`reward/exec_queue_seconds`)."""
     wall_s: float = Field(10.0, gt=0)
-    """Wall-clock limit of one execution (its harness and all its tests)."""
+    """Wall-clock limit of one execution (the program and the judge running all its tests)."""
     cpu_s: float = Field(5.0, gt=0)
     """CPU-time limit per process (RLIMIT_CPU)."""
     memory_mb: int = Field(512, ge=16)
     """Address-space limit per process (RLIMIT_AS), MiB."""
     processes: int = Field(16, ge=1)
-    """Processes and threads an execution may have (RLIMIT_NPROC; exact when weir runs as root)."""
+    """Processes and threads a program may have at once, its main process included (RLIMIT_NPROC;
+    exact at bwrap and namespaces, and at rlimit when weir runs as root)."""
     open_files: int = Field(64, ge=8)
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     output_bytes: int = Field(1 << 20, ge=1024)
-    """stdout and stderr are each cut here and the program killed."""
+    """stdout and stderr are each cut here and the program killed; also the largest value a
+    function of the program may return to the judge."""
     file_bytes: int = Field(8 << 20, ge=0)
     """Largest file a program may write (RLIMIT_FSIZE)."""
+    disk_mb: int = Field(64, ge=1)
+    """What each writable place holds, MiB: at `bwrap` the work directory, /tmp and /dev/shm are
+    tmpfs mounts of this size (host memory); other levels bound files only one by one."""
     python: str | None = None
-    """Interpreter for Python programs; default: weir's own, or the system's where the sandbox uids
-    cannot reach weir's."""
+    """Interpreter for Python programs and their judges (3.9 or later); default: weir's own, or the
+    system's where the sandbox uids cannot reach weir's."""
     python_guard: bool = True
     """Install the in-process audit hook that denies files outside the work directory, sockets,
     processes, signals and ctypes (defence in depth; the only guard at level `rlimit`)."""

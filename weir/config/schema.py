@@ -10,6 +10,12 @@ import warnings
 
 from pydantic import Field, model_validator
 
+from weir.config.adapter_sections import (  # noqa: F401
+    GymnasiumConfig,
+    OpenEnvConfig,
+    ReasoningGymConfig,
+    TextArenaConfig,
+)
 from weir.config.episode_sections import (  # noqa: F401
     AgentConfig,
     MultiAgentConfig,
@@ -27,6 +33,7 @@ from weir.config.sections import (  # noqa: F401  (re-exported: the sections liv
     CorrectionConfig,
     CriticConfig,
     DataConfig,
+    DistillConfig,
     EngineConfig,
     EvalConfig,
     KLConfig,
@@ -67,6 +74,10 @@ class Config(Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     vision: VisionConfig = Field(default_factory=VisionConfig)
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
+    gymnasium: GymnasiumConfig = Field(default_factory=GymnasiumConfig)
+    openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig)
+    textarena: TextArenaConfig = Field(default_factory=TextArenaConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -76,9 +87,10 @@ class Config(Section):
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} must divide rollout.batch_prompts * rollout.n = {total}"
             )
-        if self.data.task is None and self.data.source is None:
+        adapter_data = self._adapter_data()
+        if self.data.task is None and self.data.source is None and not adapter_data:
             raise ValueError("set data.task to a built-in task or data.source to your prompts")
-        if self.data.task is None and self.data.eval_source is None:
+        if self.data.task is None and self.data.eval_source is None and not adapter_data:
             raise ValueError(
                 "set data.eval_source to held-out prompts (or data.task to a built-in task)"
             )
@@ -137,11 +149,21 @@ class Config(Section):
                 f"{self.engine.type} runs the merged weights: set lora.sync=merged"
             )
 
+    def _adapter_data(self) -> bool:
+        """An adapter section that provides the prompts (weir.adapters.adapter_rows)."""
+        env = self.agent.env
+        return bool(
+            self.reasoning_gym.dataset
+            or self.textarena.env_id
+            or (env == "gymnasium" and self.gymnasium.id)
+            or (env == "openenv" and self.openenv.env)
+        )
+
     def _warn_behavior_logprobs(self) -> None:
         """Corrections against the full-vocabulary log-probs of a truncated sampler are biased."""
         r, a = self.rollout, self.algo
         truncated = r.top_p < 1.0 or r.top_k > 0
-        weighs = a.correction.mode != "none" or a.policy_loss == "decoupled_ppo"
+        weighs = a.correction.active or a.policy_loss == "decoupled_ppo"
         if truncated and weighs and a.behavior_logprobs == "full":
             warnings.warn(
                 f"algo.behavior_logprobs=full with rollout.top_p={r.top_p} / top_k={r.top_k}: "
@@ -239,10 +261,21 @@ class Config(Section):
                 "mismatch metrics); set rollout.top_p=1.0 and rollout.top_k=0, or use "
                 "engine.type=torch, which reports both"
             )
+        if self.algo.routing_replay:
+            why = {
+                "vllm": "weir streams vLLM's /v1/completions, which returns no routed experts (vLLM "
+                "returns them from /inference/v1/generate with --enable-return-routed-experts, "
+                "which weir does not use)",
+                "sglang": "SGLang returns them (--enable-return-routed-experts) but weir's SGLang "
+                "adapter, unverified against a live server, does not read them",
+            }[e]
+            raise ValueError(
+                f"algo.routing_replay with engine.type={e}: {why}; use engine.type=torch"
+            )
 
     @property
     def correction_needs_engine_logprobs(self) -> bool:
-        return self.algo.correction.mode != "none"
+        return self.algo.correction.active
 
     @model_validator(mode="after")
     def _check_engine_process(self) -> Config:

@@ -85,7 +85,8 @@ class DataConfig(Section):
     train_size: int = Field(20000, ge=1)
     """Rows generated for a synthetic task's train split."""
     eval_size: int = Field(500, ge=1)
-    """Held-out rows used by evaluation."""
+    """Held-out rows used by evaluation: N rows of a task's test split, or the first N rows of
+    `eval_source`."""
     prompt_key: str = "prompt"
     """Field of a row holding the prompt text (or use `messages`)."""
     answer_key: str = "answer"
@@ -164,7 +165,18 @@ class KLConfig(Section):
 
 
 class CorrectionConfig(Section):
-    mode: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
+    preset: (
+        Literal[
+            "tis", "seq_tis", "geo_tis", "token_mask", "icepop", "seq_mask", "seq_mis", "geo_mask"
+        ]
+        | None
+    ) = None
+    """A named correction with its published band (docs/algorithms.md, "Presets"); it stands for
+    mode, cap, low, high and seq_ratio (weir.algo.correction_presets), and a key also set here
+    explicitly keeps the explicit value."""
+    mode: Literal[
+        "none", "token_tis", "seq_tis", "token_mask", "seq_mask", "token_mis", "seq_mis"
+    ] = "none"
     """Correction of the engine/trainer log-prob mismatch (truncated importance sampling or masking)."""
     cap: float = Field(2.0, gt=0)
     """Truncation cap C for TIS weights."""
@@ -172,6 +184,44 @@ class CorrectionConfig(Section):
     """Masking modes drop tokens / sequences whose trainer/engine ratio is below this."""
     high: float = Field(2.0, gt=0)
     """Masking modes drop tokens / sequences whose trainer/engine ratio is above this."""
+    seq_ratio: Literal["product", "geometric"] = "product"
+    """The sequence-level modes' ratio: the product of the token ratios (the likelihood ratio) or
+    their geometric mean (length-normalised)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether a correction (a preset or a mode) is configured."""
+        return self.preset is not None or self.mode != "none"
+
+
+class DistillConfig(Section):
+    """On-policy distillation (docs/distillation.md): a teacher scores the student's own sampled
+    tokens and the per-token reverse KL ``log pi_student - log pi_teacher`` trains the student."""
+
+    teacher: str | None = None
+    """null: off. `reference`: the reference model (the initial policy, as for algo.kl); a model
+    directory or `tiny:<size>` (loaded like the policy, scored in batches by the trainer with its own
+    kernels; it must share the policy's tokenizer); or the base URL of an OpenAI-compatible server
+    (`http://host:port`, e.g. `vllm serve`) whose /v1/completions returns the log-probs of given
+    prompt token ids (`echo` with `logprobs`, or vLLM's `prompt_logprobs`); a server that cannot is
+    refused at start-up."""
+    coef: float = Field(1.0, gt=0.0)
+    """Weight c of the reverse KL: advantage ``-c * (log pi - log q)`` per token, or loss term
+    ``c * agg(sg(log pi - log q) log pi)``."""
+    reward_weight: float = Field(0.0, ge=0.0)
+    """Weight of the task reward's advantage (algo.advantage on the rewards) added to the
+    distillation advantage; 0 distils alone, the reward then only shows in the metrics."""
+    mode: Literal["advantage", "loss"] = "advantage"
+    """`advantage`: the dense per-token advantage goes through the policy loss (its ratio and clip);
+    `loss`: a separate term of the loss with the same gradient at ratio 1, not clipped."""
+    teacher_temperature: float = Field(1.0, gt=0.0)
+    """Temperature of the teacher's log-probs (1: its own distribution)."""
+    endpoint_model: str | None = None
+    """A served teacher: the model name to ask for (default: the first of its /v1/models)."""
+    endpoint_concurrency: int = Field(8, ge=1)
+    """A served teacher: requests in flight at once (one per sample)."""
+    endpoint_timeout_s: float = Field(120.0, gt=0)
+    """A served teacher: the longest one request may take."""
 
 
 class AlgoConfig(Section):
@@ -193,6 +243,12 @@ class AlgoConfig(Section):
     old_logprobs: Literal["recompute", "engine"] = "recompute"
     """Old-policy log-probs: recomputed by the trainer before the update, or the engine's."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    routing_replay: bool = False
+    """Routing replay (R3) for mixture-of-experts models (Qwen3-MoE, GPT-OSS, DeepSeek-V3): the
+    built-in engine records the experts every MoE layer picks for each prompt and generated token,
+    and the trainer's forwards (old, new and reference log-probs) use them instead of their own
+    routers' picks, with the gate weights recomputed from the trainer's router logits (docs/models.md)."""
     behavior_logprobs: Literal["sampled", "full"] = "sampled"
     """The behaviour policy that algo.correction and decoupled PPO weigh against when
     rollout.top_k / rollout.top_p truncate sampling: `sampled`, the log-probs under the truncated,
@@ -239,6 +295,12 @@ class TrainConfig(Section):
     logprob_chunk_tokens: int = Field(256, ge=1)
     """Response tokens per chunk of the log-prob / entropy computation: at most this many rows of
     vocabulary-sized float32 temporaries exist at once."""
+    logprob_kernel: Literal["auto", "compiled", "eager", "reference"] = "auto"
+    """How the log-probs and entropy are computed from the logits: one fused pass per chunk, run
+    through `torch.compile` (`compiled`: CUDA with Triton and a C compiler) or as plain tensor code
+    (`eager`); `auto` compiles where it can, else runs eager; `reference` runs the two separate
+    reference functions (slower; for checking). All give the same numbers up to float rounding
+    (docs/trainer-step.md)."""
     dead_rows: Literal["skip", "forward"] = "skip"
     """Rows whose gradient is exactly zero (every trained token has advantage 0: a GRPO group of
     equal rewards, a masked-out sample; built-in losses without entropy bonus or KL-in-loss only):
@@ -246,11 +308,22 @@ class TrainConfig(Section):
     entropy, policy and mismatch metrics then cover the trained rows; a step of such rows only
     runs their forward, so every step has those metrics); `forward` always runs them without
     gradients so those metrics cover every row (docs/trainer-step.md)."""
-    packing: Literal["auto", "packed", "padded", "prefix"] = "auto"
-    """`packed`: concatenate a micro-batch's sequences into one row; `padded`: one padded row per
-    sequence; `prefix`: sequences sharing a prompt (a GRPO group) run it once, their responses on its
-    KV cache; `auto`: packed where the attention backend has a variable-length kernel, else prefix
-    for RL when a start-up probe finds it exact on the model, else padded."""
+    packing: Literal["auto", "packed", "padded", "prefix", "varlen"] = "auto"
+    """`packed`: concatenate a micro-batch's sequences into one row; `varlen`: the same row through
+    a variable-length attention kernel, no mask (torch's FlashAttention-2 on CUDA, SDPA per sequence
+    elsewhere); `padded`: one padded row per sequence; `prefix`: sequences sharing a prompt (a GRPO
+    group) run it once, their responses on its KV cache; `auto`: packed with a FlashAttention
+    backend, else for RL the cheapest of prefix, varlen and padded for each step's lengths among
+    those a start-up probe finds exact (docs/trainer-step.md), else padded."""
+    memory: Literal["fixed", "plan"] = "fixed"
+    """`plan`: on a GPU, choose `gradient_checkpointing` (off where the activations fit) and
+    `micro_batch_tokens` (the largest power of two from 4096 to 65536 that fits) at start-up from a
+    memory model of the activations per token and the free GPU memory; logged. `fixed`: as set."""
+    fuse: Literal["auto", "liger", "compile", "off"] = "off"
+    """Fused element-wise kernels in the decoder (RMSNorm, RoPE, SiLU x up): `liger` (Liger's Triton
+    kernels, CUDA, `weir[liger]`), `compile` (regional torch.compile of each decoder layer; needs a
+    C compiler), `auto` (liger where it applies, else compile, on CUDA; off on a CPU). A route that
+    cannot run falls back to the next and says so once (docs/trainer-step.md)."""
 
 
 class CriticConfig(Section):

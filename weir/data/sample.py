@@ -47,6 +47,11 @@ class Sample:
     behavior_logprobs: list[float] | None = None
     vision: VisionInputs | None = None
     """The prompt's pixel inputs (a vision-language prompt with images), shared by a group's samples."""
+    routed_experts: Any = None
+    """With `algo.routing_replay` (a mixture-of-experts model): a tensor ``[tokens, layers, k]`` of
+    the experts the engine's routers picked for the first ``tokens`` of prompt + response (every
+    token the engine ran: all but the last), uint8 or int16 (`weir.data.moe_routing`); the trainer
+    replays them. None: not recorded (the trainer's own routers choose)."""
 
     def __post_init__(self) -> None:
         self.vision = VisionInputs.coerce(self.vision)
@@ -71,6 +76,12 @@ class Sample:
                     f"Sample.{name} has {len(getattr(self, name))} entries but response_ids has {n}; "
                     "each response token needs exactly one entry"
                 )
+        routed = self.routed_experts
+        if routed is not None and not 0 < routed.shape[0] <= self.num_tokens:
+            raise ValueError(
+                f"Sample.routed_experts covers {routed.shape[0]} tokens of a sequence of "
+                f"{self.num_tokens}; it must cover a prefix of prompt + response"
+            )
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ class Prefilled(NamedTuple):
     start: torch.Tensor  # each sequence's first real column
     deltas: list[int]  # each sequence's position offset (a vision-language model's rope delta)
     computed: int  # tokens the forward computed, padding aside (after `past`: the last q columns)
+    routes: list[torch.Tensor] | None = None  # routing recorded: each sequence's [len, layers, k]
 
 
 class Admission:
@@ -131,7 +132,25 @@ class Admission:
             pixels, deltas = self._vision.padded_inputs(seqs, visions, width, self._dtype)
             pos = pixels.pop("position_ids")
         logits = self._forward(ids, mask[:, None], pos, cache, **pixels)
-        return Prefilled(logits, start, deltas, sum(min(n, q) for n in lens))
+        return Prefilled(
+            logits, start, deltas, sum(min(n, q) for n in lens), self._prefill_routes(lens, q, past)
+        )
+
+    def _prefill_routes(
+        self, lens: list[int], q: int, past: list[PrefixEntry] | None
+    ) -> list[torch.Tensor] | None:
+        """Routing recorded: each sequence's experts, those of its cached prefix (`past`) followed by
+        those of the columns the forward computed (`self._last_routes`, right-aligned)."""
+        if self._routing is None:
+            return None
+        block = self._last_routes
+        out = []
+        for i, n in enumerate(lens):
+            mine = block[i, q - min(n, q) :]
+            if past is not None and n > q:
+                mine = torch.cat([past[i].routes[: n - q], mine])
+            out.append(mine)
+        return out
 
     def _recompute_kv(self) -> None:
         """Rebuild the running rows' KV cache under the current weights (after a weight update), so
@@ -149,10 +168,12 @@ class Admission:
         cols = width + b.remaining() + 1
         past, computed = self._shared_past(seqs, cols)
         chunk = max(1, self.max_prefill_tokens // width)
+        routes: list[torch.Tensor] = []
         if chunk >= b.n:
             cache = SlabCache(self._num_layers, Geometry(b.n), cols)
             done = self._prefill_forward(seqs, cache, visions=visions, past=past)
             start, computed = done.start, computed + done.computed
+            routes = done.routes or []
         else:  # several forwards, each padded to the common width, copied into one cache
             cache, starts = None, []
             for lo in range(0, b.n, chunk):
@@ -162,6 +183,7 @@ class Admission:
                     seqs[lo:hi], part, width, visions[lo:hi], None if past is None else past[lo:hi]
                 )
                 computed += done.computed
+                routes += done.routes or []
                 if cache is None:
                     cache = SlabCache(self._num_layers, Geometry(b.n, 0, width), cols)
                     for layer, src in zip(cache.layers, part.layers, strict=True):
@@ -176,6 +198,8 @@ class Admission:
             start = torch.cat(starts)
         b.cache, b.geo = cache, cache.geo
         b.start.copy_(start)
+        if routes:  # the rebuilt KV's routing replaces what the old weights picked
+            b.routes[: b.n] = [[r] for r in routes]
         self._stats["prefill_tokens"] += computed
         self._stats["recomputed_tokens"] += computed
         self._stats["shared_prefix_tokens"] += max(0, sum(len(x) for x in seqs) - computed)
@@ -204,7 +228,8 @@ class Admission:
             return None, 0
         prefixes = [seqs[i][:n] for i, n in zip(shared.first, shared.lengths, strict=True)]
         pcache = SlabCache(self._num_layers, Geometry(groups), wp)
-        computed = self._prefill_forward(prefixes, pcache).computed
+        done = self._prefill_forward(prefixes, pcache)
+        computed = done.computed
         entries = [
             PrefixEntry(
                 tuple(p),
@@ -212,6 +237,7 @@ class Admission:
                 [layer.values[g, :, wp - len(p) :] for layer in pcache.layers],
                 self.version,
                 0,
+                routes=None if done.routes is None else done.routes[g],
             )
             for g, p in enumerate(prefixes)
         ]
@@ -221,6 +247,7 @@ class Admission:
             [layer.values[0, :, :0] for layer in pcache.layers],
             self.version,
             0,
+            routes=None if done.routes is None else done.routes[0][:0],
         )
         return [entries[g] if g >= 0 else none for g in shared.group], computed
 
@@ -240,7 +267,7 @@ class Admission:
             shared, computed = self._shared_past(prompts, width)
         before = past if shared is None else shared
         cache = SlabCache(self._num_layers, Geometry(len(reqs)), width)
-        logits, _, deltas, done = self._prefill_forward(
+        logits, _, deltas, done, prompt_routes = self._prefill_forward(
             prompts, cache, visions=visions, past=before
         )
         computed += done
@@ -286,6 +313,7 @@ class Admission:
             row_reqs,
             sample_idx,
             [[(0, self.version)] for _ in range(nrows)],
+            None if prompt_routes is None else [[prompt_routes[o]] for o in owner.tolist()],
         )
         self._sample_and_record(inc, logits.index_select(0, owner))
         if self._prefix is not None:  # samples whose first token is a stop token
@@ -309,6 +337,7 @@ class Admission:
                 [row_reqs[i] for i in keep],
                 [sample_idx[i] for i in keep],
                 [inc.vchanges[i] for i in keep],
+                [inc.routes[i] for i in keep],
             )
             owner = owner.index_select(0, k)
         return inc, cache, owner
@@ -374,6 +403,7 @@ class Admission:
                 [layer.values[row, :, lo:hi] for layer in cache.layers],
                 self.version,
                 budget,
+                routes=torch.cat(b.routes[r]) if self._routing is not None else None,
             )
 
     def _evict_prefixes_for(self, reqs: list[Request]) -> bool:
@@ -403,4 +433,6 @@ class Admission:
                 comp.sampled_logprobs = [
                     lp - lz for lp, lz in zip(lps[j][:g], lzs[j][:g], strict=True)
                 ]
+            if self._routing is not None:
+                comp.routed_experts = torch.cat(b.routes[r])
             b.reqs[r].finish_sample(b.sample_idx[r], comp)

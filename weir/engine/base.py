@@ -95,6 +95,10 @@ class Completion:
     versions: list[int]
     finish_reason: str
     sampled_logprobs: list[float] | None = None
+    routed_experts: torch.Tensor | None = None
+    """With routing recorded (`algo.routing_replay`, an MoE model): the experts each MoE layer
+    picked for every token the engine ran, ``[len(prompt) + len(token_ids) - 1, layers, k]``
+    (prompt and generated tokens but the last, which was never fed back; `weir.data.moe_routing`)."""
 
 
 @runtime_checkable

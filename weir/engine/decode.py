@@ -22,6 +22,7 @@ runs).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -34,7 +35,9 @@ from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from weir.config.devices import rounding_tolerance
+from weir.data.moe_routing import RoutingSpec, recording
 from weir.engine.masks import layer_masks
+from weir.hf_compat import cache_kwargs
 
 __all__ = ["DecodeForward", "Decoding", "forwards_agree", "logprob_gap"]
 
@@ -231,7 +234,7 @@ class DecodeForward:
     ) -> torch.Tensor:
         """Logits of the last position, float32 [rows, vocab], for `ids` [rows, q] at positions
         `pos`, attending to the KV slabs of `cache` (whose columns it extends, as the HF forward
-        does through ``past_key_values.update``) under `masks` (one per mask key, as `layer_masks`
+        does through the cache's ``update``) under `masks` (one per mask key, as `layer_masks`
         builds them). The cache geometry's ``length`` is left to the caller."""
         layers = cache.layers
         return self.run(ids, masks, pos, lambda idx, k, v: layers[idx].update(k, v))
@@ -321,6 +324,16 @@ def forwards_agree(
     return logprob_gap(fast, ref) <= rounding_tolerance(dtype, device)
 
 
+@contextlib.contextmanager
+def routing_record(spec: RoutingSpec | None):
+    """`weir.data.moe_routing.recording` when the engine records routing, else nothing (None)."""
+    if spec is None:
+        yield None
+        return
+    with recording(spec) as rec:
+        yield rec
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -343,15 +356,18 @@ class Decoding:
         `mask` is a boolean [rows, 1, q, kv] (causal + padding); sliding windows are added per layer
         type by `layer_masks`. `pixels`: a vision-language prefill's pixel inputs."""
         masks = layer_masks(mask, self._support, self._dtype if self._eager else None)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=masks,  # prepared 4D masks (or a dict by layer type) are used as given
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **pixels,
-        )
+        with routing_record(self._routing) as rec:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=masks,  # prepared 4D masks (or a dict by layer type) used as given
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(self.model, cache),
+                **pixels,
+            )
+        # routing recorded: the experts picked for each of `ids` [rows, q, layers, k]
+        self._last_routes = None if rec is None else rec.stacked(*ids.shape)
         cache.geo.length += ids.shape[1]
         return out.logits[:, -1, :].float()
 
@@ -434,6 +450,9 @@ class Decoding:
                 b.tok.unsqueeze(1), mask[:, None, None, :], b.pos.unsqueeze(1), b.cache
             )
         b.pos += 1
+        if self._routing is not None:  # the experts picked for each row's fed token
+            for r, picked in enumerate(self._last_routes):
+                b.routes[r].append(picked)
         self._sample_and_record(b, logits)
         self._stats["decode_steps"] += 1
         done = self._retire_done(b)

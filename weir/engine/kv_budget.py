@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weir.hf_compat import cache_kwargs
+
 __all__ = [
     "KVBudgetError",
     "KVMeter",
@@ -64,9 +66,9 @@ def measure_cell_bytes(model: torch.nn.Module, token_id: int = 0) -> int:
     cache = DynamicCache(config=model.config)
     model(
         input_ids=torch.tensor([[token_id]], device=device),
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **cache_kwargs(model, cache),
     )
     return sum(
         t.numel() * t.element_size()

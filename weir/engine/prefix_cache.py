@@ -51,6 +51,8 @@ class PrefixEntry:
     version: int
     nbytes: int
     refs: int = 1
+    routes: torch.Tensor | None = None
+    """The experts the routers picked for `ids` (routing recorded, `weir.data.moe_routing`)."""
     """Finished samples that left these same ids (n samples of a prompt often agree on a turn); each
     `take` serves one of them."""
 
@@ -86,9 +88,11 @@ class PrefixCache:
         values: list[torch.Tensor],
         version: int,
         budget: int | None,
+        routes: torch.Tensor | None = None,
     ) -> bool:
-        """Keep copies of `keys` / `values` (views of a slab row) for `ids`. Under a `budget`, older
-        entries make room first; an entry that cannot fit is not stored. Returns whether it was."""
+        """Keep copies of `keys` / `values` (views of a slab row) for `ids`, and their recorded
+        `routes`. Under a `budget`, older entries make room first; an entry that cannot fit is not
+        stored. Returns whether it was."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if budget is not None:
             while self._entries and self.meter.live + nbytes > budget:
@@ -112,6 +116,7 @@ class PrefixCache:
             [self.meter.track(v.clone()) for v in values],
             version,
             nbytes,
+            routes=routes,
         )
         self._entries[key] = entry
         self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1

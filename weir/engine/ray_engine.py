@@ -34,6 +34,7 @@ class EngineWorker:
         on_gpu: whether this replica was given a GPU (cluster.engines.gpus > 0).
         cudnn_attention: allow cuDNN's attention backend there (`model.cudnn_attention`).
         deterministic: the run's `run.deterministic`; TF32 matmuls stay off when it is set.
+        record_routing: record MoE routing for the trainer to replay (`algo.routing_replay`).
 
     A Ray worker is a fresh process with torch's default backend settings, so it chooses them
     as a trainer rank does (`weir.config.devices.choose_backends`).
@@ -50,6 +51,7 @@ class EngineWorker:
         on_gpu: bool = False,
         cudnn_attention: bool = False,
         deterministic: bool = False,
+        record_routing: bool = False,
     ) -> None:
         torch.set_num_threads(1)
         self.index = index
@@ -65,6 +67,7 @@ class EngineWorker:
             max_batch_size=engine.max_batch_size,
             seed=seed + index,
             num_threads=1,
+            record_routing=record_routing,
             **kv_options(engine),
         )
 

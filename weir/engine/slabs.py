@@ -107,12 +107,16 @@ class Rows:
                       the token's log-prob under the distribution it was drawn from is out_lp - out_lz
     """
 
-    def __init__(self, ints, floats, stops, out_tok, out_lp, out_lz, reqs, sample_idx, vchanges):
+    def __init__(
+        self, ints, floats, stops, out_tok, out_lp, out_lz, reqs, sample_idx, vchanges, routes=None
+    ):
         self.ints, self.floats, self.stops = ints, floats, stops
         self.out_tok, self.out_lp, self.out_lz = out_tok, out_lp, out_lz
         self.reqs: list[Request] = reqs
         self.sample_idx: list[int] = sample_idx
         self.vchanges: list[list[tuple[int, int]]] = vchanges
+        # recorded routing (`weir.data.moe_routing`) per row: [tokens, layers, k] pieces, in order
+        self.routes: list[list[torch.Tensor]] = routes if routes is not None else [[] for _ in reqs]
         self.n = len(reqs)
         self.n_greedy = sum(r.greedy for r in reqs)
         self.n_filtered = sum(r.filtered for r in reqs)
@@ -331,6 +335,7 @@ class RunningBatch(Rows):
         self.reqs += inc.reqs[:m]
         self.sample_idx += inc.sample_idx[:m]
         self.vchanges += inc.vchanges[:m]
+        self.routes += inc.routes[:m]
         self.n = need
         self.n_greedy += inc.n_greedy
         self.n_filtered += inc.n_filtered
@@ -358,10 +363,10 @@ class RunningBatch(Rows):
             for layer in self.cache.layers if self.cache is not None else ():
                 for t in self.cache.used(layer):
                     t.index_copy_(0, h, self.kv.meter.track(t.index_select(0, mv)))
-            for lst in (self.reqs, self.sample_idx, self.vchanges):
+            for lst in (self.reqs, self.sample_idx, self.vchanges, self.routes):
                 for dst, src in zip(holes, movers, strict=True):
                     lst[dst] = lst[src]
-        for lst in (self.reqs, self.sample_idx, self.vchanges):
+        for lst in (self.reqs, self.sample_idx, self.vchanges, self.routes):
             del lst[keep_n:]
         self.n = keep_n
         self.geo.rows = keep_n

@@ -12,7 +12,7 @@ A daemon thread runs the decode loop over one *running batch*. Each iteration:
    prompt's logits, and the prompt's KV cache is copied into one row per surviving sample (shared
    prefix) of the running batch;
 2. runs one decode step for every row: the model's own ``forward`` over the last token of each row,
-   with the KV cache (``past_key_values``), an explicit 4D attention mask, explicit position ids and
+   with the KV cache (`weir.hf_compat.cache_kwargs`), an explicit 4D attention mask, explicit position ids and
    ``logits_to_keep=1`` (for Llama-family models the same operations without the HF module
    machinery, checked bit for bit against the model's forward: `weir.engine.decode`);
 3. samples the next token of every row with tensor ops (no per-row Python), and retires the rows that
@@ -86,6 +86,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from weir.data.moe_routing import install_routing
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
 from weir.engine.admission import Admission
@@ -171,6 +172,10 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         cuda_graphs: on CUDA, replay decode steps of the direct forward as CUDA graphs
             (`weir.engine.graphs`; checked against the eager step on first use). ``"eager"`` runs
             the same fixed-shape step without capture, on any device (tests, debugging).
+        record_routing: record the experts each MoE layer's router picks for every token (prompt
+            and generated), returned as `Completion.routed_experts` for the trainer to replay
+            (`weir.data.moe_routing`; `algo.routing_replay`). A model without a router weir knows
+            raises `UnsupportedRouting`.
     """
 
     def __init__(
@@ -194,6 +199,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         share_prefixes: bool = True,
         direct_decode: bool = True,
         cuda_graphs: bool | str = True,
+        record_routing: bool = False,
     ):
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -239,9 +245,12 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             if prefix_cache and self._vision is None  # a VLM prompt's KV holds its image
             else None
         )
+        # routing recorded: every forward through the model's own (hooked) modules
+        self._routing = install_routing(model) if record_routing else None
+        self._last_routes: torch.Tensor | None = None
         self._direct = (
             DecodeForward.build(model, self._support.per_layer_type, self._vision is not None)
-            if direct_decode
+            if direct_decode and self._routing is None
             else None
         )
         self._direct_checked = False

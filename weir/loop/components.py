@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from weir.adapters import adapter_extras, adapter_reward, adapter_reward_kwargs, adapter_rows
 from weir.config import Config
 from weir.config.devices import resolve_device
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
@@ -25,6 +26,7 @@ from weir.engine.kv_budget import kv_options
 from weir.engine.support import check_model_path, model_support
 from weir.engine.torch_engine import TorchEngine
 from weir.loop.engine_memory import check_kv_budget
+from weir.loop.resume import say
 from weir.loop.role_policies import build_role_policies
 from weir.loop.selfcheck import run_selfcheck
 from weir.loop.server_engines import engine_placement, policy_engine, server_engine
@@ -41,6 +43,7 @@ from weir.train.critic import Critic, CriticSettings, load_value_model
 from weir.train.lora import save_final_model
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
+from weir.train.teacher import check_teacher_tokenizer, is_endpoint
 
 
 @dataclass
@@ -100,11 +103,21 @@ class Components:
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
-    """Rows of the configured data source or built-in task for `split` ("train" or "test")."""
+    """Rows of the configured data source or built-in task for `split` ("train" or "test"): for
+    "test", `data.eval_size` of them (the first N rows of `data.eval_source`)."""
     d = cfg.data
     source = d.source if split == "train" else d.eval_source
     if source is not None:
-        return load_rows(source)
+        rows = load_rows(source)
+        if split == "test" and len(rows) > d.eval_size:
+            say(
+                f"evaluating the first {d.eval_size} of the {len(rows)} rows of {source} (data.eval_size)"
+            )
+            rows = rows[: d.eval_size]
+        return rows
+    rows = adapter_rows(cfg, split)  # reasoning-gym, verifiers, an environment's reset seeds
+    if rows is not None:
+        return rows
     if d.task is None:
         raise ValueError(
             f"no {split} data: set data.eval_source (or data.task for a built-in task)"
@@ -197,7 +210,10 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
         check_reward("combine", {"components": components})
         return get_reward("combine", components=components)
     spec = (
-        reward or cfg.reward.function or (get_task(cfg.data.task).reward if cfg.data.task else None)
+        reward
+        or cfg.reward.function
+        or adapter_reward(cfg)
+        or (get_task(cfg.data.task).reward if cfg.data.task else None)
     )
     if spec is None and (cfg.agent.reward == "env" or cfg.multi_agent.scorer is not None):
         return _no_task_reward
@@ -206,6 +222,8 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
             "no reward: set reward.function (a built-in name or a dotted path) or data.task"
         )
     kwargs = dict(cfg.reward.kwargs)
+    if spec == adapter_reward(cfg):
+        kwargs = {**adapter_reward_kwargs(cfg), **kwargs}
     if cfg.data.answer_key != "answer" and _takes_answer_key(spec):
         kwargs.setdefault("answer_key", cfg.data.answer_key)
     fn = get_reward(spec, **kwargs)
@@ -257,6 +275,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.run.seed,
         num_threads=cfg.loop.engine_threads if concurrent else None,
+        record_routing=cfg.algo.routing_replay,
         **kv_options(cfg.engine),
     )
     if cfg.engine.process and cfg.engine.replicas > 1:
@@ -321,7 +340,7 @@ def make_contexts(
         encode_vision=encode.encode if encode.takes_images else None,
         placeholder_ids=placeholders,
         reward_timeout_s=cfg.reward.timeout_s,
-        extras={**agent_extras(cfg), **multi_agent_extras(cfg)},
+        extras={**agent_extras(cfg), **multi_agent_extras(cfg), **adapter_extras(cfg)},
     )
     eval_ctx = train_ctx.with_sampling(
         n=e.n,
@@ -369,6 +388,22 @@ def driver_model(cfg: Config, run_dir: Path) -> tuple[torch.nn.Module, Any]:
     return meta_model(run_model_path(cfg, run_dir), dtype)
 
 
+def resolve_teacher(cfg: Config, run_dir: Path) -> None:
+    """`algo.distill.teacher=tiny:<size>`: build it next to the run directory (seed
+    model.init_seed + 1, so that it is not the policy's own initialisation) and name its directory;
+    a teacher directory must share the policy's tokenizer (`weir.train.teacher`)."""
+    d = cfg.algo.distill
+    if d.teacher is None or d.teacher == "reference" or is_endpoint(d.teacher):
+        return
+    if d.teacher.startswith("tiny:"):
+        d.teacher = resolve_model_path(
+            d.teacher, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed + 1
+        )
+    from transformers import AutoTokenizer
+
+    check_teacher_tokenizer(d.teacher, AutoTokenizer.from_pretrained(run_model_path(cfg, run_dir)))
+
+
 def run_model_path(cfg: Config, run_dir: Path) -> str:
     """The model directory (a `tiny:` model is built next to the run directory once)."""
     return resolve_model_path(
@@ -386,7 +421,8 @@ def build(
 ) -> Components:
     """Everything a driver needs; plugins given as Python objects take precedence over the config."""
     if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
-        check_model_path(cfg.model.path)
+        check_model_path(run_model_path(cfg, run_dir))  # (a GGUF file: its converted directory)
+    resolve_teacher(cfg, run_dir)
     ray_parts = policies = None
     if cfg.cluster.type == "ray":  # the ranks and replicas load the weights, never the driver
         model, tokenizer = driver_model(cfg, run_dir)

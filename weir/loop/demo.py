@@ -1,16 +1,20 @@
-"""`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after.
+"""`weir demo`: tiny model -> SFT warm start -> GRPO -> held-out accuracy before and after; a
+pretrained model (`smollm2_arithmetic`: SmolLM2-135M-Instruct, docs/real-models.md) skips the warm
+start and RL starts from the model as it is.
 
-`--task` picks examples/<task>.yaml: `arithmetic` (default), `calculator` (a tool-using agent),
+`--task` picks examples/<task>.yaml (shipped in the package as weir/examples): `arithmetic` (default), `calculator` (a tool-using agent),
 `relay` (two roles learning together: each computes a part the other needs, docs/multi-agent.md),
 `proposer_checker` (two roles; the checker learns the base rate, not to verify),
-`code` (functions written from a spec, rewarded by hidden tests run in the sandbox) or `shapes` (a
-tiny Qwen2.5-VL counts shapes and names their colour in PIL images).
+`code` (functions written from a spec, rewarded by hidden tests run in the sandbox), `shapes` (a
+tiny Qwen2.5-VL counts shapes and names their colour in PIL images) or `smollm2_arithmetic`
+(a real pretrained model learns two-digit additions asked in words).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
@@ -20,7 +24,9 @@ from weir.config import load_config
 from weir.loop.sft import run_sft
 from weir.loop.sync import run_sync
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+# The example configs ship inside the package (weir/examples, a link to the checkout's examples/ that
+# the wheel carries as files): the demo runs the same after `pip install weir` as in a checkout.
+EXAMPLES = Path(str(resources.files("weir") / "examples"))
 
 
 def demo_config_path(task: str) -> Path:
@@ -36,16 +42,26 @@ def run_demo(
 ) -> dict[str, float]:
     """Run the demo end to end; returns (and writes to out/demo.json) the before/after summary.
 
-    "after" is the mean of the last three evaluations, since one evaluation swings by a few points.
+    "after" is the mean of the last three evaluations, since one evaluation swings by a few points;
+    a pretrained model's demo, whose run is a few steps with evaluations five steps apart, shows
+    the last evaluation (both are in the summary).
     """
     console = console or Console()
     path = demo_config_path(task)
     t0 = time.perf_counter()
-    console.rule(f"[bold]weir demo: {task}[/bold] — 1/2 supervised warm start")
-    sft_cfg = load_config(path, [*overrides, f"run.dir={out / 'sft'}"])
-    sft_model = run_sft(sft_cfg)
+    base = load_config(path, overrides)
+    # weir's tiny models start from random weights and need the warm start; a pretrained model
+    # (a real one: examples/smollm2_arithmetic.yaml) starts RL as it is
+    pretrained = not base.model.path.startswith(("tiny:", "tiny-vlm:"))
+    model_override: list[str] = []
+    if not pretrained:
+        console.rule(f"[bold]weir demo: {task}[/bold] — 1/2 supervised warm start")
+        sft_cfg = load_config(path, [*overrides, f"run.dir={out / 'sft'}"])
+        model_override = [f"model.path={run_sft(sft_cfg)}"]
+        console.rule("2/2 reinforcement learning (GRPO)")
+    else:
+        console.rule(f"[bold]weir demo: {task}[/bold] — RL (GRPO) on {base.model.path}")
     t_sft = time.perf_counter() - t0
-    console.rule("2/2 reinforcement learning (GRPO)")
     rl_cfg = load_config(  # a demo starts fresh, even where an older demo left checkpoints
         path,
         [
@@ -53,7 +69,7 @@ def run_demo(
             "telemetry.dump_rollouts=true",  # sample responses for the report
             *overrides,
             f"run.dir={out / 'rl'}",
-            f"model.path={sft_model}",
+            *model_override,
         ],
     )
     result = run_sync(rl_cfg)
@@ -61,7 +77,8 @@ def run_demo(
     accs = [e["eval/accuracy"] for e in result.evals]
     last = accs[-3:]
     summary = {
-        "accuracy_after_sft": accs[0],
+        "pretrained": float(pretrained),
+        "accuracy_before_rl": accs[0],
         "accuracy_after_rl_last3_mean": sum(last) / len(last),
         "accuracy_after_rl_last": accs[-1],
         "eval_prompts": result.evals[0]["eval/prompts"],
@@ -70,6 +87,8 @@ def run_demo(
         "total_seconds": total,
         "rl_steps": rl_cfg.run.steps,
     }
+    if not pretrained:
+        summary["accuracy_after_sft"] = accs[0]
     summary.update(role_summary(result.evals))
     summary.update(breakdown_summary(result.evals))
     calls = [h["agent/tool_calls_mean"] for h in result.history if "agent/tool_calls_mean" in h]
@@ -81,12 +100,20 @@ def run_demo(
     table = Table(title=f"held-out {how} accuracy ({int(summary['eval_prompts'])} problems)")
     for col in ("stage", "accuracy", "minutes"):
         table.add_column(col)
-    table.add_row("after SFT", f"{summary['accuracy_after_sft']:.1%}", f"{t_sft / 60:.1f}")
-    table.add_row(
-        "after RL (mean of last 3 evals)",
-        f"{summary['accuracy_after_rl_last3_mean']:.1%}",
-        f"{(total - t_sft) / 60:.1f}",
-    )
+    if pretrained:
+        table.add_row("before RL (the pretrained model)", f"{accs[0]:.1%}", "")
+        table.add_row(
+            f"after RL (step {rl_cfg.run.steps})",
+            f"{summary['accuracy_after_rl_last']:.1%}",
+            f"{(total - t_sft) / 60:.1f}",
+        )
+    else:
+        table.add_row("after SFT", f"{accs[0]:.1%}", f"{t_sft / 60:.1f}")
+        table.add_row(
+            "after RL (mean of last 3 evals)",
+            f"{summary['accuracy_after_rl_last3_mean']:.1%}",
+            f"{(total - t_sft) / 60:.1f}",
+        )
     for role in sorted({k.split("/")[1] for k in summary if k.startswith("role/")}):
         table.add_row(
             f"  {role} (own reward), SFT -> RL",

@@ -251,6 +251,7 @@ class EngineGroup:
                 on_gpu=c.engines.gpus > 0,
                 cudnn_attention=cfg.model.cudnn_attention,
                 deterministic=cfg.run.deterministic,
+                record_routing=cfg.algo.routing_replay,
             )
             for i in range(c.engines.replicas)
         ]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from weir.config import Config, dump_config
 from weir.loop.checkpointing import checkpoint_step, restore_run_checkpoint, save_run_checkpoint
 from weir.loop.resume import StopSignal, cut_metrics, find_resume, say
+from weir.loop.run_lock import RunDirInUse, RunLock
 from weir.telemetry import JsonlSink, MetricsLogger, TensorBoardSink, console_sink, timeline
 from weir.telemetry.rollouts import dump_rollouts
 from weir.telemetry.sinks import wandb_sink
@@ -63,6 +64,7 @@ class Run:
     start_step: int = 0
     stop: StopSignal | None = None
     last_checkpoint: int | None = None
+    lock: RunLock | None = None
     _t: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -73,6 +75,20 @@ class Run:
         to the checkpoint's step and appended to; `restore` then loads the checkpoint.
         """
         run_dir = run_dir_of(cfg)
+        try:  # before anything reads or writes the directory: one run per run directory
+            lock = RunLock.acquire(run_dir)
+        except RunDirInUse as err:
+            raise RunError(str(err)) from None
+        try:
+            run = cls._open(cfg, run_dir, total_steps, resumable)
+        except BaseException:
+            lock.release()
+            raise
+        run.lock = lock
+        return run
+
+    @classmethod
+    def _open(cls, cfg: Config, run_dir: Path, total_steps: int | None, resumable: bool) -> Run:
         resume_from = find_resume(cfg, run_dir) if resumable else None
         start = checkpoint_step(resume_from) if resume_from else 0
         if resume_from is None:
@@ -195,9 +211,13 @@ class Run:
             dump_rollouts(self.dir / "rollouts" / f"step_{step:06d}.jsonl", step, groups)
 
     def close(self) -> None:
-        if self.stop is not None:
-            self.stop.uninstall()
-        self.logger.close()
-        if self.timeline is not None:
-            self.timeline.save()
-            timeline.use(None)
+        try:
+            if self.stop is not None:
+                self.stop.uninstall()
+            self.logger.close()
+            if self.timeline is not None:
+                self.timeline.save()
+                timeline.use(None)
+        finally:
+            if self.lock is not None:
+                self.lock.release()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from weir.config.devices import resolve_dtype, rounding_tolerance
+from weir.data.moe_routing import Routes
 from weir.engine.base import SamplingParams
 from weir.engine.support import SUPPORTED, UnsupportedModel, model_support
 from weir.train.packing import choose_layout, packed_response_logprobs, response_logprobs
@@ -65,7 +66,7 @@ def check_packing(
     """Probe 1 (packed = unpacked) on `model`; returns the mean error, None when
     ``train_cfg.packing`` is "padded" (nothing to probe). Sets it to "padded" on a mismatch under
     "auto"; raises `UnsupportedModel` under "packed"."""
-    if train_cfg.packing in ("padded", "prefix"):  # no packed rows (prefix probes itself)
+    if train_cfg.packing in ("padded", "prefix", "varlen"):  # nothing to probe, or probes itself
         return None
     arch = str(getattr(model.config, "model_type", "?"))
     name = SUPPORTED[arch].name if arch in SUPPORTED else arch
@@ -128,11 +129,13 @@ def run_selfcheck(model: torch.nn.Module, engine: Any, train_cfg: Any) -> SelfCh
         was_training = model.training
         model.eval()
         try:
+            routed = completion.routed_experts  # algo.routing_replay: compare like with like
             ref = response_logprobs(
                 model,
                 [prompt + toks],
                 [len(toks)],
                 layout=choose_layout(model, train_cfg.packing),
+                routes=None if routed is None else Routes([routed], *routed.shape[1:]),
             ).logprobs[0]
         finally:
             model.train(was_training)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from weir.adapters import adapter_sft_rows
 from weir.config import Config
 from weir.data.prompts import PromptTooLong
 from weir.data.sources import load_rows
@@ -19,8 +20,11 @@ from weir.train.sft import sft
 def sft_examples(cfg: Config, tokenizer, eos: int) -> tuple[list[tuple[list[int], list[int]]], int]:
     """(prompt_ids, response_ids + eos) pairs from sft.data or the task's SFT generator, and the
     number of rows skipped for prompts over data.max_prompt_tokens."""
+    adapter = adapter_sft_rows(cfg)
     if cfg.sft.data is not None:
         rows = load_rows(cfg.sft.data)
+    elif adapter is not None:
+        rows = adapter
     elif cfg.data.task is not None:
         options = {
             **cfg.data.task_options,

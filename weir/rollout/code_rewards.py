@@ -1,14 +1,18 @@
 """Code rewards: run the program in a response in the sandbox and score it by tests.
 
 - ``code_tests``: the row's unit tests (``row["tests"]``: Python snippets such as
-  ``assert f(2) == 4``) run after the program; reward = fraction passed (``mode="fraction"``) or 1
-  only if all pass (``mode="all"``).
+  ``assert f(2) == 4``) run in a judge process apart from the program, calling its functions
+  across the process boundary with plain values (`weir.sandbox.judge`); reward = fraction passed
+  (``mode="fraction"``) or 1 only if all pass (``mode="all"``).
 - ``code_io``: stdin/stdout cases (``row["cases"]``: ``[{"input": "1 2\\n", "output": "3"}]``), one
   execution each; reward = fraction of cases whose output matches, or all-or-nothing.
 
 The program is extracted from the response by `extract_code`. A row may carry ``"prefix"``: code put
 before the program (HumanEval's prompt: the signature and docstring the response completes, or
-re-defines), and ``"stop"``: strings at which a completion is cut (HumanEval's ``"\\ndef "`` ...).
+re-defines), which the judge also runs as trusted code before the tests (its imports and helpers
+are the tests', not the program's); ``"entry_point"``: the name (or list of names) of the
+functions under test, the only ones taken from the program when given; and ``"stop"``: strings at
+which a completion is cut (HumanEval's ``"\\ndef "`` ...).
 
 What the program does (a timeout, a memory bomb, a denied operation) scores 0 for the tests it did not
 pass and is counted; only the sandbox's own failure (it could not start the program) fails the sample,
@@ -29,7 +33,7 @@ __all__ = ["extract_code", "code_tests", "code_io", "exec_metrics", "build_progr
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PY_TAGS = {"", "python", "py", "python3"}
 Extract = Literal["auto", "last_block", "first_block", "whole"]
-_LIMIT_STATUSES = ("cpu_time", "memory", "processes", "output_limit", "file_size")
+_LIMIT_STATUSES = ("cpu_time", "memory", "processes", "output_limit", "file_size", "disk")
 
 
 def extract_code(
@@ -157,7 +161,13 @@ def code_tests(
             "exec_reason": "",
             "extracted": how,
         }
-    result = (sandbox or default_sandbox()).run(program, tests=list(tests))
+    entry = row.get("entry_point")
+    result = (sandbox or default_sandbox()).run(
+        program,
+        tests=list(tests),
+        prefix=row.get("prefix") or None,
+        entry_points=[entry] if isinstance(entry, str) else entry,
+    )
     _record(sample, [result])
     _check_sandbox_failure([result])
     passed = result.passed

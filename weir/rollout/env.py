@@ -12,7 +12,8 @@ An environment is any object with two methods, each sync or async (gym-like, tex
   ``malformed_calls``) are summed into the episode's metrics.
 
 An optional ``close()`` (sync or async) is called when the episode ends. One environment instance
-serves one episode.
+serves one episode. An environment with ``raw_action = True`` gets each turn decoded with special
+tokens kept (less the closing stop token), for tool-call formats whose markers are special tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from weir.rollout.tool_calls import parse_tool_calls
+from weir.rollout.tool_calls import get_tool_format
 from weir.rollout.tools import ToolRegistry
 
 __all__ = ["Env", "StepResult", "ToolEnv", "maybe_await", "as_step_result"]
@@ -70,7 +71,10 @@ def as_step_result(value: Any) -> StepResult:
 class ToolEnv:
     """Runs the tool calls of each model turn and returns their results as the observation.
 
-    A turn without calls (and without malformed calls) is the final answer: the episode is done.
+    `fmt` is a tool-call format (a name such as ``hermes``, ``qwen3_coder``, ``llama3_json``,
+    ``mistral``, ``deepseek_v3``, ``harmony``, ``tag``, or a dotted path; see
+    `weir.rollout.tool_calls.get_tool_format`). A turn without calls (and without malformed
+    calls) is the final answer: the episode is done.
     Calls run in order; an unknown tool, bad arguments, an exception or a timeout gives the line
     ``error: <message>`` in the observation, as does a malformed call. Rewards are 0: the task's
     reward function judges the final answer.
@@ -87,8 +91,10 @@ class ToolEnv:
     ) -> None:
         self.tools = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
         self.fmt = fmt
+        self.format = get_tool_format(fmt)  # an unknown format fails here
         self.timeout_s = timeout_s
-        parse_tool_calls("", fmt)  # an unknown format fails here, at start-up
+        # formats whose markers are special tokens are parsed from the turn decoded with them
+        self.raw_action = bool(getattr(self.format, "special_tokens", False))
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -98,7 +104,7 @@ class ToolEnv:
         return None
 
     async def step(self, action: str) -> StepResult:
-        parsed = parse_tool_calls(action, self.fmt, tools=self.tools.names)
+        parsed = self.format.parse(action, self.tools.schemas())
         if not parsed.calls and not parsed.errors:
             return StepResult(None, 0.0, True, {"tool_calls": 0, "tool_errors": 0})
         lines, failed = [], 0

@@ -26,7 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import json
+import queue
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,13 +37,18 @@ from weir.data.prompts import PromptTooLong, prompt_messages
 from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
-from weir.rollout.env import StepResult, ToolEnv, as_step_result, maybe_await
+from weir.rollout.env import StepResult, ToolEnv, as_step_result
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
+from weir.rollout.tool_calls import get_tool_format, raw_turn_text
 
 __all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
 
-COUNTERS = ("tool_calls", "tool_errors", "malformed_calls")
+COUNTERS = ("tool_calls", "tool_errors", "malformed_calls", "invalid_actions")
+ENV_ERRORS = ("env_errors", "env_timeouts", "env_bad_results")
+"""Per-episode counters of environment failures, each of which also fails its sample:
+`env_errors` counts them all, `env_timeouts` a reset or step past ``agent.env_timeout_s``,
+`env_bad_results` a result of the wrong shape (a malformed observation)."""
 _MARK_A, _MARK_T = "\x00weir-assistant\x00", "\x00weir-tool\x00"
 
 
@@ -95,8 +103,12 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
 
         agent = AgentConfig()
     ctx = seeded_by_row(ctx, row)
+    factory = ctx.extras.get("env_factory")  # an adapter's environment (weir.adapters)
     samples = await asyncio.gather(
-        *(run_episode(ctx, row, make_env(agent), agent, index=i) for i in range(ctx.sampling.n))
+        *(
+            run_episode(ctx, row, factory() if factory else make_env(agent), agent, index=i)
+            for i in range(ctx.sampling.n)
+        )
     )
     return Group(samples=list(samples), row=row)
 
@@ -130,10 +142,14 @@ async def run_episode(
     turns: list[dict[str, Any]] = []
     env_rewards: list[float] = []
     counts = dict.fromkeys(COUNTERS, 0)
+    env_errors = dict.fromkeys(ENV_ERRORS, 0)
     status, stop, error, final_text = Status.COMPLETED, "max_turns", None, ""
     prompt_ids: list[int] = []
+    timeout = getattr(agent, "env_timeout_s", None)
+    worker = _EnvThread()  # the episode's sync env calls, in order, on one thread of their own
+    routed = None  # the last turn's recorded routing: the conversation it ran (algo.routing_replay)
     try:
-        first = await _env_reset(env, row)
+        first = await _env_reset(env, row, timeout, worker)
         prompt_ids = _encode_prompt(ctx, row, first, getattr(env, "tool_schemas", None), agent)
         for turn in range(agent.max_turns):
             budget = agent.max_tokens - len(ids)
@@ -149,15 +165,22 @@ async def run_episode(
             )
             (c,) = await ctx.engine.generate(prompt_ids + ids, params)
             _append(ids, mask, logprobs, versions, c)
+            routed = c.routed_experts
             behavior += c.logprobs if c.sampled_logprobs is None else c.sampled_logprobs
             truncated_sampling |= c.sampled_logprobs is not None
             final_text = ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             turns.append({"role": "assistant", "tokens": len(c.token_ids)})
-            if c.finish_reason != "stop":
+            cut = c.finish_reason != "stop"
+            if c.finish_reason == "abort" or (cut and not agent.play_cut_turns):
                 status = Status.ABORTED if c.finish_reason == "abort" else Status.TRUNCATED
                 stop = "abort" if c.finish_reason == "abort" else "length"
                 break
-            step = await _env_step(env, final_text)
+            action = (
+                raw_turn_text(ctx.tokenizer, c.token_ids, c.finish_reason)
+                if getattr(env, "raw_action", False)
+                else final_text
+            )
+            step = await _env_step(env, action, timeout, worker)
             env_rewards.append(step.reward)
             for k in COUNTERS:
                 counts[k] += step.info[k]
@@ -180,11 +203,19 @@ async def run_episode(
     except _EnvFailure as e:  # the environment must not end the run; engine errors propagate
         cause = e.__cause__
         status, error, stop = Status.FAILED, f"EnvError: {type(cause).__name__}: {cause}", "error"
+        env_errors["env_errors"] = 1
+        if isinstance(cause, TimeoutError):
+            env_errors["env_timeouts"] = 1
+        elif isinstance(cause, (TypeError, ValueError)) and e.bad_result:
+            env_errors["env_bad_results"] = 1
     finally:
         close = getattr(env, "close", None)
-        if callable(close):
-            with contextlib.suppress(Exception):  # a failing close() must not hide the episode
-                await maybe_await(close())
+        if callable(close) and not env_errors["env_timeouts"]:  # a hung env's thread is busy
+            with contextlib.suppress(
+                Exception
+            ):  # a failing or hung close() must not hide the episode
+                await _call_env(lambda _: close(), None, timeout, worker)
+        worker.stop()
     sample = Sample(
         prompt_ids=prompt_ids,
         response_ids=ids,
@@ -197,6 +228,7 @@ async def run_episode(
         index=index,
         row=row,
         response_text=final_text,
+        routed_experts=routed,
     )
     model_turns = sum(t["role"] == "assistant" for t in turns)
     sample.metadata["transcript"] = ctx.tokenizer.decode(ids, skip_special_tokens=False)
@@ -204,6 +236,7 @@ async def run_episode(
     sample.metadata["metrics"] = {
         "agent/turns": float(model_turns),
         **{f"agent/{k}": float(v) for k, v in counts.items()},
+        **{f"agent/{k}": float(v) for k, v in env_errors.items()},
     }
     if status != Status.FAILED:
         await _score(ctx, sample, row, agent, env_rewards)
@@ -214,40 +247,104 @@ async def run_episode(
 
 
 class _EnvFailure(Exception):
-    """An exception raised by the environment's reset or step (its __cause__)."""
+    """An exception raised by the environment's reset or step (its __cause__); `bad_result` when
+    the call returned but its result had the wrong shape."""
+
+    def __init__(self, message: str, bad_result: bool = False) -> None:
+        super().__init__(message)
+        self.bad_result = bad_result
 
 
-async def _env_reset(env: Any, row: dict) -> Any:
+async def _call_env(fn: Any, arg: Any, timeout: float | None, worker: _EnvThread) -> Any:
+    """``fn(arg)`` under `timeout`: a sync method runs on the episode's own thread (`worker`), so
+    an environment that blocks stalls no other episode, and every call of one environment runs on
+    the same thread (thread-bound resources such as sqlite connections keep working); an async
+    method is awaited."""
+    call = fn(arg) if inspect.iscoroutinefunction(fn) else worker.submit(fn, arg)
+    try:
+        result = await asyncio.wait_for(call, timeout)
+        if inspect.isawaitable(result):
+            result = await asyncio.wait_for(result, timeout)
+    except asyncio.TimeoutError:
+        name = getattr(fn, "__qualname__", "env call")
+        raise TimeoutError(f"{name} took longer than agent.env_timeout_s={timeout} s") from None
+    return result
+
+
+class _EnvThread:
+    """One daemon thread running an episode's sync environment calls in order. A call that hangs
+    keeps the thread (it cannot be killed; being a daemon it never holds up the process's exit);
+    the episode has already failed by then and submits nothing more."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Any, arg: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="weir-env")
+            self._thread.start()
+        self._jobs.put((loop, future, fn, arg))
+        return future
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, arg = job
+            try:
+                value, ok = fn(arg), True
+            except BaseException as e:  # handed to the awaiting episode
+                value, ok = e, False
+            with contextlib.suppress(RuntimeError):  # the loop may be gone after a timeout
+                loop.call_soon_threadsafe(_settle, future, ok, value)
+
+
+def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+    if not future.done():
+        future.set_result(value) if ok else future.set_exception(value)
+
+
+async def _env_reset(env: Any, row: dict, timeout: float | None, worker: _EnvThread) -> Any:
     """``env.reset(row)`` (sync or async), checked; failures become `_EnvFailure`."""
     try:
-        first = await maybe_await(env.reset(row))
-        if first is not None and not isinstance(first, (str, list)):
-            raise TypeError(
-                f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
-            )
-        return first
+        first = await _call_env(env.reset, row, timeout, worker)
     except asyncio.CancelledError:
         raise
     except Exception as e:
         raise _EnvFailure(str(e)) from e
+    if first is not None and not isinstance(first, (str, list)):
+        err = TypeError(
+            f"env.reset must return None, a str or a list of messages, got {type(first).__name__}"
+        )
+        raise _EnvFailure(str(err), bad_result=True) from err
+    return first
 
 
-async def _env_step(env: Any, action: str) -> StepResult:
+async def _env_step(env: Any, action: str, timeout: float | None, worker: _EnvThread) -> StepResult:
     """``env.step(action)`` (sync or async), checked, with its counters read as ints. Any
-    exception or a wrong result becomes `_EnvFailure`, which fails the sample (engine errors, in
-    contrast, propagate to the collector as rollout errors)."""
+    exception, a timeout or a wrong result becomes `_EnvFailure`, which fails the sample (engine
+    errors, in contrast, propagate to the collector as rollout errors)."""
     try:
-        step = as_step_result(await maybe_await(env.step(action)))
+        value = await _call_env(env.step, action, timeout, worker)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _EnvFailure(str(e)) from e
+    try:
+        step = as_step_result(value)
         for k in COUNTERS:
             v = step.info.get(k) or 0
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"env.step info[{k!r}] must be a number, got {v!r}")
             step.info[k] = int(v)
         return step
-    except asyncio.CancelledError:
-        raise
     except Exception as e:
-        raise _EnvFailure(str(e)) from e
+        raise _EnvFailure(str(e), bad_result=True) from e
 
 
 async def _score(
@@ -313,7 +410,12 @@ def _encode_prompt(
 
 
 def agent_extras(cfg: Any) -> dict[str, Any]:
-    """What `rollout` reads from ``ctx.extras``: the agent section and the prompt settings."""
+    """What `rollout` reads from ``ctx.extras``: the agent section and the prompt settings. An
+    unknown `agent.tool_format` is refused here, when the run starts."""
+    try:
+        get_tool_format(cfg.agent.tool_format)
+    except ValueError as e:
+        raise ValueError(f"agent.tool_format: {e}") from None
     d = cfg.data
     return {
         "agent": cfg.agent,

@@ -21,6 +21,7 @@ import concurrent.futures
 import contextvars
 import functools
 import inspect
+import logging
 import math as _math
 import re
 import threading
@@ -49,6 +50,7 @@ __all__ = [
     "get_reward",
     "strip_eos",
     "extract_number",
+    "answer_after_hashes",
     "gold_final_answer",
     "reward_name",
 ]
@@ -102,6 +104,19 @@ def answer_line(text: str) -> str:
     return text.rsplit("####", 1)[1].split("\n", 1)[0]
 
 
+def answer_after_hashes(text: str) -> str:
+    """What a response answers on its last ``####`` line (GSM8K's and verl's convention): the
+    number right after ``####`` when the line starts with one (``#### $1,200 dollars, from step 3``
+    answers 1200; the words and numbers after it are not the answer), else the rest of the line
+    (an expression such as ``#### x^2 + 1``)."""
+    line = answer_line(text)
+    lead = _LEADING_NUMBER.match(_latex_to_plain(line))
+    if lead is None:
+        return line
+    sign = "-" if lead.group("sign") else ""
+    return sign + lead.group("num").replace(",", "")
+
+
 def gold_final_answer(gold: str) -> str:
     """The final answer of a gold string: the line after the last ``####`` (GSM8K) if present,
     stripped, with thousands separators removed from numbers."""
@@ -117,6 +132,11 @@ _NUMBER = re.compile(
     r"(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
     r"(?P<dec>\.\d+)?"
     r"(?:/(?P<den>\d+)(?![\d.]))?"
+)
+# A line that opens with a number: optional "\\(" or "$", a sign, the number as `_NUMBER` reads it.
+_LEADING_NUMBER = re.compile(
+    r"\s*(?:\\\(|\$)?\s*(?P<sign>[-\u2212])?\s*\$?\s*"
+    r"(?P<num>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+(?![\d.]))?)"
 )
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*(-?[\d.,]+)\s*\}")
@@ -257,6 +277,39 @@ def numeric(
     }
 
 
+_log = logging.getLogger(__name__)
+
+
+class _TimeoutNotice(logging.Filter):
+    """math-verify warns "Timeout is disabled ..." (to stderr, through logging's last resort) the
+    first time each of its modules runs without its own timeout, which `_mv_timeout` turns off in
+    reward threads; `score`'s timeout bounds those calls. This filter drops that record and says it
+    once per process in weir's log, at debug level, instead."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Timeout is disabled"):
+            return True
+        if not _TimeoutNotice.said:
+            _TimeoutNotice.said = True
+            _log.debug(
+                "math-verify runs without its own timeout in reward threads (signal.alarm works only "
+                "in the main thread); reward.timeout_s bounds each call"
+            )
+        return False
+
+
+_TIMEOUT_NOTICE = _TimeoutNotice()
+
+
+def _route_math_verify_notices() -> None:
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _TIMEOUT_NOTICE not in logger.filters:
+            logger.addFilter(_TIMEOUT_NOTICE)
+
+
 def _mv_timeout(seconds: int | None) -> int | None:
     # math-verify's timeouts use signal.alarm, which only works in the main thread; elsewhere
     # (e.g. under asyncio.to_thread) they must be off, and `score`'s timeout bounds the call.
@@ -274,17 +327,19 @@ def math(
     """1.0 if math-verify finds the response's answer equivalent to the gold.
 
     Gold: the part after ``####`` if present (GSM8K), parsed as ``\\boxed{gold}`` (or as is).
-    Response: the rest of the line of its last ``####`` if present (GSM8K's convention: a note after
-    the answer line, such as "Note: I assumed 3 baskets", is not part of the answer), else the whole
-    text (math-verify prefers ``\\boxed{}`` and the last expression). When math-verify parses nothing on either side, the
-    `numeric` extraction decides. Returns ``{"reward", "pred", "gold", "method"}``.
+    Response: with a ``####`` line, what `answer_after_hashes` reads there (GSM8K's and verl's
+    convention: the number right after ``####``; words after it, "in total, from step 1", and notes
+    on later lines are not the answer), else the whole text (math-verify prefers ``\\boxed{}`` and
+    the last expression). When math-verify parses nothing on either side, the `numeric` extraction
+    decides. Returns ``{"reward", "pred", "gold", "method"}``.
     """
     from math_verify import parse, verify
 
+    _route_math_verify_notices()
     t = _mv_timeout(timeout_seconds)
     gold_text = gold_final_answer(_gold(row, answer_key))
     response = _MARKDOWN_BOLD.sub(r"\1", strip_eos(sample.response_text, eos_texts))
-    span = answer_line(response) if "####" in response else response
+    span = answer_after_hashes(response) if "####" in response else response
     gold_parsed: list[Any] = []
     if gold_text and "$" not in gold_text and "\\boxed" not in gold_text:
         # a bare gold answer is the whole expression: boxing it stops math-verify from taking

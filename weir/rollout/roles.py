@@ -47,6 +47,9 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     stop: str = "done"
     """``done`` (every scheduled turn taken), ``length``, ``max_tokens`` or ``abort``."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """What the rollout recorded for the scorer, e.g. a game's own rewards per role
+    (`weir.adapters.textarena`)."""
 
     def last(self, role: str) -> str | None:
         """The text of `role`'s last turn, or None when it never acted."""

@@ -66,6 +66,7 @@ async def rollout(ctx: RolloutContext, row: dict) -> Group:
             response_ids=list(c.token_ids),
             rollout_logprobs=list(c.logprobs),
             behavior_logprobs=None if c.sampled_logprobs is None else list(c.sampled_logprobs),
+            routed_experts=c.routed_experts,
             versions=list(c.versions),
             status=FINISH_STATUS.get(c.finish_reason, Status.COMPLETED),
             index=i,

@@ -1,6 +1,11 @@
 """Tool calls in model text: parse them out of a turn, and render them back (for chat templates).
 
-Two formats:
+Formats are looked up by name (`get_tool_format`, the registry
+`weir.rollout.tool_formats.TOOL_FORMATS`) that a plugin
+extends by dotted path: any object with ``parse(text, tools) -> ParsedTurn``,
+``render(calls) -> str`` and ``special_tokens: bool`` (a class is instantiated). The formats of
+real model families (Qwen3-Coder, Llama 3, Mistral, DeepSeek-V3, GPT-OSS harmony) are in
+`weir.rollout.tool_formats`; the two defined here:
 
 - ``"hermes"`` (Hermes / Qwen): each call is a JSON object between tags,
   ``<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>``.
@@ -27,7 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "FORMATS",
+    "get_tool_format",
+    "needs_special_tokens",
+    "raw_turn_text",
+    "tool_names",
     "TAG_INPUT",
     "RESERVED_TAGS",
     "ToolCall",
@@ -37,7 +45,6 @@ __all__ = [
     "new_call_id",
 ]
 
-FORMATS = ("hermes", "tag")
 TAG_INPUT = "input"
 RESERVED_TAGS = frozenset({"think", "tool_call", "tool_response", "answer"})
 
@@ -71,30 +78,101 @@ def new_call_id() -> str:
 
 
 def parse_tool_calls(
-    text: str, fmt: str = "hermes", *, tools: Collection[str] | None = None
+    text: str, fmt: Any = "hermes", *, tools: Collection[Any] | None = None
 ) -> ParsedTurn:
-    """Split `text` into content and tool calls in format `fmt` (``"hermes"`` or ``"tag"``).
+    """Split `text` into content and tool calls in format `fmt` (a name in `TOOL_FORMATS`, a
+    dotted path, or a format object).
 
-    `tools`, if given, names the known tools: in the tag format only those tags are calls; in the
-    hermes format a call to an unknown name is still returned (executing it reports the error).
+    `tools`, if given, are the known tools: names, or OpenAI tool schemas (formats that type
+    arguments by schema, such as ``qwen3_coder``, need the schemas). In the tag format only those
+    tags are calls; in the others a call to an unknown name is still returned (executing it
+    reports the error). Never raises on any text.
     """
-    if fmt == "hermes":
-        return _parse_hermes(text)
-    if fmt == "tag":
-        return _parse_tag(text, tools)
-    raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {list(FORMATS)}")
+    return get_tool_format(fmt).parse(text, tools)
 
 
-def render_tool_calls(calls: list[ToolCall], fmt: str = "hermes") -> str:
+def render_tool_calls(calls: list[ToolCall], fmt: Any = "hermes") -> str:
     """The text a model writes to make `calls`; `parse_tool_calls` of it returns the same calls."""
-    if fmt == "hermes":
+    return get_tool_format(fmt).render(calls)
+
+
+def get_tool_format(spec: Any) -> Any:
+    """The format `spec` names: a key of `TOOL_FORMATS`, a dotted path ``pkg.mod:Format`` (a class
+    is instantiated), or an object with ``parse`` and ``render``. Raises ValueError naming the
+    valid names for anything else."""
+    from weir.plugins import resolve
+    from weir.rollout.tool_formats import TOOL_FORMATS  # its formats import this module
+
+    if not isinstance(spec, str) and hasattr(spec, "parse") and hasattr(spec, "render"):
+        return spec
+    fmt = resolve(spec, TOOL_FORMATS, "tool format", require_callable=False)
+    if isinstance(fmt, type):
+        fmt = fmt()
+    if not (callable(getattr(fmt, "parse", None)) and callable(getattr(fmt, "render", None))):
+        raise ValueError(
+            f"tool format {spec!r} has no parse(text, tools) and render(calls) methods"
+        )
+    return fmt
+
+
+def needs_special_tokens(fmt: Any) -> bool:
+    """Whether `fmt`'s markers are special tokens, so its turns are parsed from text decoded with
+    special tokens kept (``skip_special_tokens=False``, the turn's closing stop token removed)."""
+    return bool(getattr(get_tool_format(fmt), "special_tokens", False))
+
+
+def raw_turn_text(tokenizer: Any, token_ids: list[int], finish_reason: str = "stop") -> str:
+    """A model turn decoded with its special tokens kept (for formats whose markers are special
+    tokens), less the special token that closed it (EOS, ``<|call|>``, ...)."""
+    ids = list(token_ids)
+    if finish_reason == "stop" and ids and not tokenizer.decode(ids[-1:], skip_special_tokens=True):
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def tool_names(tools: Collection[Any] | None) -> list[str] | None:
+    """Tool names from names or OpenAI tool schemas."""
+    if tools is None:
+        return None
+    names = []
+    for t in tools:
+        if isinstance(t, dict):
+            f = t.get("function", t)
+            if isinstance(f, dict) and isinstance(f.get("name"), str):
+                names.append(f["name"])
+        else:
+            names.append(str(t))
+    return names
+
+
+class Hermes:
+    """Hermes, Qwen 2.5 and Qwen 3: a JSON object per call between ``<tool_call>`` tags."""
+
+    name = "hermes"
+    special_tokens = False
+
+    def parse(self, text: str, tools: Collection[Any] | None = None) -> ParsedTurn:
+        return _parse_hermes(text)
+
+    def render(self, calls: list[ToolCall]) -> str:
         return "\n".join(
             "<tool_call>\n"
             + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
             + "\n</tool_call>"
             for c in calls
         )
-    if fmt == "tag":
+
+
+class Tag:
+    """weir's format for tiny models: ``<calc>12*34</calc>``."""
+
+    name = "tag"
+    special_tokens = False
+
+    def parse(self, text: str, tools: Collection[Any] | None = None) -> ParsedTurn:
+        return _parse_tag(text, tool_names(tools))
+
+    def render(self, calls: list[ToolCall]) -> str:
         parts = []
         for c in calls:
             args = c.arguments
@@ -104,7 +182,6 @@ def render_tool_calls(calls: list[ToolCall], fmt: str = "hermes") -> str:
                 body = json.dumps(args, ensure_ascii=False)
             parts.append(f"<{c.name}>{body}</{c.name}>")
         return "".join(parts)
-    raise ValueError(f"unknown tool-call format {fmt!r}; choose one of {list(FORMATS)}")
 
 
 def _parse_hermes(text: str) -> ParsedTurn:

@@ -3,8 +3,9 @@
 From strongest to weakest (docs/code.md says what each does and does not protect against):
 
 - ``bwrap``: bubblewrap puts the program in new user, PID, network, IPC, UTS and cgroup namespaces
-  with a file system of its own: /usr (and the interpreter's prefix) read-only, an empty /tmp, a
-  private /proc and /dev, and the work directory; nothing else of the host exists for it.
+  with a file system of its own: /usr (and the interpreter's prefix) read-only, a read-only root
+  and /dev, a private /proc, and the only writable places tmpfs mounts of `Limits.disk_mb` each
+  (the work directory /sandbox, /tmp, /dev/shm); nothing else of the host exists for it.
 - ``namespaces``: util-linux ``unshare``: new network (no interfaces but loopback: no network), PID
   (it cannot see or signal host processes; all its processes die with it), IPC, UTS and mount
   namespaces with its own /proc; the host file system stays visible, guarded only by file
@@ -12,9 +13,11 @@ From strongest to weakest (docs/code.md says what each does and does not protect
 - ``rlimit``: resource limits and a fresh work directory only, plus the Python guard (an in-process
   audit hook, which stops accidents and naive programs, not a determined attacker).
 
-Every level applies the resource limits (`Limits`, via ``prlimit``), a minimal environment, a new
-session, and, when weir runs as root, a uid of its own per execution, leased machine-wide (so the
-process cap is exact and its leftover processes can be found and killed).
+Every level applies the resource limits (`Limits`, via ``prlimit`` inside the level's namespaces),
+a minimal environment, a new session, and, when weir runs as root, a uid of its own per execution,
+leased machine-wide (so its leftover processes can be found and killed). The judge that runs an
+execution's tests is not in the program's sandbox at all (`weir.sandbox.judge`), and runs as
+`JUDGE_UID` when weir is root.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LEVELS", "Isolation", "detect", "wrap_command", "INNER_WORKDIR"]
+__all__ = ["LEVELS", "Isolation", "detect", "wrap_command", "nproc_limit", "INNER_WORKDIR"]
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +40,7 @@ LEVELS = ("bwrap", "namespaces", "rlimit")
 INNER_WORKDIR = "/sandbox"  # where bwrap mounts the work directory
 SLOT_UID_BASE = 61000  # executions run as uids SLOT_UID_BASE .. + SLOT_UIDS - 1 when weir is root
 SLOT_UIDS = 1000
-# processes a level's wrapper itself holds under the slot's uid (added to Limits.processes), with
-# room for a wrapper's zombie that the host's init has not reaped yet
-WRAPPER_PROCESSES = {"bwrap": 5, "namespaces": 3, "rlimit": 1}
+JUDGE_UID = SLOT_UID_BASE - 1  # the judges' uid when weir is root (they run the rows' tests)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def detect(requested: str = "auto", python: str | None = None) -> Isolation:
     for level in order:
         iso = Isolation(level, per_slot_uid, interp, prefix, unshare_user=not root or per_slot_uid)
         if level == "rlimit" or _probe(
-            wrap_command(iso, [interp, "-I", "-S", "-c", "pass"], tempfile.gettempdir()), uid
+            wrap_command(iso, [interp, "-I", "-S", "-c", "pass"], disk_bytes=1 << 20), uid
         ):
             if requested == "auto":
                 log.info(iso.describe())
@@ -161,16 +162,33 @@ def _root_dirs() -> list[str]:
     return args
 
 
-def wrap_command(iso: Isolation, argv: list[str], workdir: str) -> list[str]:
-    """`argv` wrapped in the isolation level's launcher (limits are applied outside, by the caller)."""
+def wrap_command(
+    iso: Isolation,
+    argv: list[str],
+    *,
+    disk_bytes: int = 64 << 20,
+    files: dict[str, int] | None = None,
+) -> list[str]:
+    """`argv` wrapped in the isolation level's launcher.
+
+    Under bwrap the program's writable places are tmpfs mounts of `disk_bytes` each (the work
+    directory at /sandbox, /tmp and /dev/shm) and everything else is read-only, the root and /dev
+    included; `files` (name -> a readable fd) are copied into /sandbox. Its first process is the
+    program itself (``--as-pid-1``), which bwrap waits for, so its exit status and CPU time reach
+    weir. The other levels run in the caller's work directory (the caller writes the files)."""
     if iso.level == "bwrap":
+        size = str(disk_bytes)
         bwrap = shutil.which("bwrap") or "bwrap"
-        cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+        cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1"]
         cmd += ["--ro-bind", "/usr", "/usr", *_root_dirs()]
         if not iso.prefix.startswith("/usr"):
             cmd += ["--ro-bind", iso.prefix, iso.prefix]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        cmd += ["--bind", workdir, INNER_WORKDIR, "--chdir", INNER_WORKDIR]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+        cmd += ["--remount-ro", "/dev", "--size", size, "--tmpfs", "/tmp"]
+        cmd += ["--size", size, "--tmpfs", INNER_WORKDIR]
+        for name, fd in (files or {}).items():
+            cmd += ["--file", str(fd), f"{INNER_WORKDIR}/{name}"]
+        cmd += ["--chdir", INNER_WORKDIR, "--remount-ro", "/"]
         if os.geteuid() == 0 and not iso.per_slot_uid:
             cmd += ["--cap-drop", "ALL"]
         return [*cmd, "--", *argv]
@@ -182,3 +200,11 @@ def wrap_command(iso: Isolation, argv: list[str], workdir: str) -> list[str]:
         cmd += ["--mount-proc"]
         return [*cmd, "--", *argv]
     return list(argv)
+
+
+def nproc_limit(iso: Isolation, processes: int) -> int:
+    """RLIMIT_NPROC that lets the program have `processes` processes and threads at once (its own
+    main process included), set inside the level's namespaces. The kernel counts a uid's tasks per
+    user namespace: in bwrap's (the program is its first process) and under a leased uid the count
+    is the program's alone; unshare's own process sits in the new user namespace too."""
+    return processes + (1 if iso.level == "namespaces" and iso.unshare_user else 0)

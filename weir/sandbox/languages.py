@@ -1,50 +1,62 @@
-"""Languages the sandbox runs: how a program and its tests become files and a command.
+"""Languages the sandbox runs: how a program becomes files and a command, and how it serves calls.
 
-A `Language` writes the program (and a harness around its tests) into the work directory and names
-the command that runs it; the harness reports each test's verdict on its own line of a results file
-(JSON), written as it goes, so the tests reached before a timeout still count. Python is built in;
-another language is one more class with the same three members, registered in `LANGUAGES`.
+A `Language` turns a program into files for the work directory and the command that runs it
+(`Prepared`). The command gets three more arguments, file descriptors: the start pipe, on which
+its first act is to write ``weir-started`` (what tells weir the program started: anything after
+is the program's own doing), then the request and reply pipes of the judge (``-1`` when the
+execution has no tests). With tests, the program runs its top level, reports the names it defines
+and serves the judge's calls, one JSON line each way, with values in `weir.sandbox.wire`'s tagged
+encoding (see `weir.sandbox.judge`): the tests themselves never enter its process. Python is built
+in; another language is one more class with the same members, registered in `LANGUAGES`.
 
-The Python harness runs the program and then each test in one namespace (HumanEval's convention):
-a test is a snippet of statements (``assert f(2) == 4``) that passes when it raises nothing. With
-``guard`` it first installs an audit hook (PEP 578) that denies opening files outside the work
-directory and the interpreter's own installation, writing outside the work directory, sockets,
-new processes, signals to other processes and ctypes. The hook runs in the program's own interpreter:
-it stops accidents and naive hostile code, not a determined attacker; the OS levels do that.
+With ``guard`` the Python launcher first installs an audit hook (PEP 578) that denies opening files
+outside the work directory and the interpreter's own installation, writing outside the work
+directory, sockets, new processes, signals to other processes and ctypes. The hook runs in the
+program's own interpreter: it stops accidents and naive hostile code, not a determined attacker;
+the OS levels do that.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Protocol
 
+from weir.sandbox.boot import boot_program
 from weir.sandbox.isolation import Isolation
 
-__all__ = ["Language", "Python", "LANGUAGES", "get_language", "DENIED_MARK", "STARTED_MARK"]
+__all__ = ["Language", "Prepared", "Python", "LANGUAGES", "get_language", "DENIED_MARK", "HELLO"]
 
 DENIED_MARK = "weir-sandbox denied:"
-STARTED_MARK = ".weir_started"  # the harness's first act: without it the program never started
+HELLO = b"weir-started\n"  # the launcher's first write on the start pipe, before any program code
+
+
+@dataclass
+class Prepared:
+    """A program ready to run: the command (the three pipe fds are appended) and the files to put
+    in its work directory (name -> bytes)."""
+
+    argv: list[str]
+    files: dict[str, bytes]
 
 
 class Language(Protocol):
-    """How to run programs of one language in a work directory."""
+    """How to run programs of one language."""
 
     name: str
 
     def prepare(
         self,
-        workdir: Path,
         program: str,
         *,
-        tests: Sequence[str] | None,
+        serve: bool,
         args: Sequence[str],
         guard: bool,
         iso: Isolation,
-    ) -> tuple[list[str], str | None]:
-        """Write the files; return (the command, the results file name or None without tests)."""
+        reply_bytes: int,
+    ) -> Prepared:
+        """The command and files; with `serve` the program serves the judge's calls."""
         ...
 
 
@@ -105,90 +117,163 @@ def _weir_guard(work):
 """
 
 _LAUNCHER = r"""
-open(".weir_started", "w").close()
-import json as _wj, os as _wo, sys as _ws
-_WC = _wj.loads({config!r})
-_WR = open(_WC["results"], "w", encoding="utf-8") if _WC["results"] else None
-_WSRC = open(_WC["program"], encoding="utf-8").read()
-_WTESTS = _WC["tests"]
+import os as _wo, sys as _ws
+_wo.write(int(_ws.argv[2]), b"weir-started\n")
+_wo.close(int(_ws.argv[2]))
+_WREQ, _WRESP = int(_ws.argv[3]), int(_ws.argv[4])
+_WC = wire.json_loads(_ws.argv[1])
+import _signal as _wsig  # (the signal module would import enum)
+
+# the CPU limit's SIGXCPU ends the program with 128 + 24 even where it is a PID namespace's first
+# process, which ignores signals it has no handler for (it would run on to the hard limit)
+_wsig.signal(24, lambda *_: _wo._exit(152))
 _ws.argv = [_WC["program"], *_WC["args"]]
-def _wrec(d):
-    _WR.write(_wj.dumps(d) + "\n")
-    _WR.flush()
-{guard}
 if _WC["guard"]:
     _weir_guard(_wo.getcwd())
-_WNS = {{"__name__": "__main__", "__file__": _WC["program"], "__builtins__": __builtins__}}
+_WNS = {"__name__": "__main__", "__file__": _WC["program"], "__builtins__": __builtins__}
+_WHIDE = ("<weir-launcher>", "<weir-wire>", "<string>")
+
+
 def _wtraceback(e):
     import traceback as _wtb
-    frames = [f for f in _wtb.extract_tb(e.__traceback__) if not f.filename.endswith(".weir_launch.py")]
+
+    frames = [f for f in _wtb.extract_tb(e.__traceback__) if f.filename not in _WHIDE]
     text = "".join(_wtb.format_list(frames)) + "".join(_wtb.format_exception_only(type(e), e))
     _ws.stderr.write("Traceback (most recent call last):\n" + text)
-if _WTESTS is None:
-    try:
-        exec(compile(_WSRC, _WC["program"], "exec"), _WNS)
-    except SystemExit:
-        raise
-    except BaseException as _we:
-        _wtraceback(_we)
-        _ws.stdout.flush()
-        _wo._exit(1)
-else:
-    _WFAIL = 0
-    try:
-        exec(compile(_WSRC, _WC["program"], "exec"), _WNS)
-    except BaseException as _we:
-        _wrec({{"program_error": (type(_we).__name__ + ": " + str(_we))[:500]}})
-        if isinstance(_we, SystemExit):
-            raise
-        _wtraceback(_we)
-        _ws.stdout.flush()
-        _wo._exit(1)
-    for _wi, _wt in enumerate(_WTESTS):
-        try:
-            exec(compile(_wt, "<test %d>" % _wi, "exec"), _WNS)
-        except BaseException as _we:
-            _WFAIL += 1
-            _wrec({{"test": _wi, "ok": False, "error": (type(_we).__name__ + ": " + str(_we))[:500]}})
-        else:
-            _wrec({{"test": _wi, "ok": True}})
-    _WR.close()
+
+
+def _wdie(e):
+    _wtraceback(e)
     _ws.stdout.flush()
-    _wo._exit(1 if _WFAIL else 0)
+    _wo._exit(1)
+
+
+def _wtext(e):
+    try:
+        return str(e)[:1000]
+    except BaseException:
+        return "(unprintable)"
+
+
+def _wsend(obj):
+    line = wire.json_dumps(obj).encode() + b"\n"
+    if len(line) > _WC["reply_bytes"]:
+        line = b'{"x":"a reply over %d bytes"}\n' % _WC["reply_bytes"]
+    view = memoryview(line)
+    while view:
+        view = view[_wo.write(_WRESP, view) :]
+
+
+def _wready():
+    names, values, budget = [], [], _WC["reply_bytes"] // 2
+    for k, v in list(_WNS.items()):
+        if k.startswith("__") or type(v) is type(_ws):
+            continue
+        if callable(v):
+            names.append(k)
+            continue
+        try:
+            enc = wire.to_wire(v)
+            size = len(wire.json_dumps(enc))
+        except Exception:
+            continue
+        if size <= budget:
+            values.append([k, enc])
+            budget -= size
+    return {"ready": {"names": names, "values": {"$d": values}}}
+
+
+def _wserve():
+    requests = _wo.fdopen(_WREQ, "rb")
+    while True:
+        line = requests.readline()
+        if not line:
+            return
+        try:
+            msg = wire.json_loads(line)
+            fn = _WNS.get(msg["call"])
+            if fn is None:
+                raise NameError("name %r is not defined" % msg["call"])
+            result = fn(*wire.from_wire(msg["args"]), **wire.from_wire(msg["kwargs"]))
+        except BaseException as e:
+            reply = {"e": [type(e).__name__, _wtext(e)]}
+        else:
+            try:
+                reply = {"r": wire.to_wire(result)}
+            except BaseException as e:
+                reply = {"x": _wtext(e)}
+        result = None
+        _wsend(reply)
+
+
+def _wsource(data):
+    # the program's text as Python reads a source file: UTF-8 (strictly) unless it declares
+    # another encoding (PEP 263)
+    if b"coding" in b"\n".join(data.split(b"\n", 2)[:2]):
+        return data  # compile() honours the declaration
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SyntaxError(f"Non-UTF-8 code in the program ({e})") from None
+
+
+try:
+    with open(_WC["program"], "rb") as _wf:
+        _WCODE = compile(_wsource(_wf.read()), _WC["program"], "exec")
+    exec(_WCODE, _WNS)
+except SystemExit as _we:
+    if _WREQ >= 0:
+        _wsend({"program_error": ("SystemExit: " + _wtext(_we))[:500]})
+    raise
+except BaseException as _we:
+    if _WREQ >= 0:
+        _wsend({"program_error": (type(_we).__name__ + ": " + _wtext(_we))[:500]})
+    _wdie(_we)
+if _WREQ >= 0:
+    _wsend(_wready())
+    _wserve()
+    _ws.stdout.flush()
+    _ws.stderr.flush()
+    _wo._exit(0)
 """
 
 
 class Python:
     """Python programs, run by the sandbox's interpreter in isolated mode (``-I -B``: no user site,
-    no environment variables, no bytecode files)."""
+    no environment variables, no bytecode files). The launcher reaches the interpreter as a ``-c``
+    program (`weir.sandbox.boot`), the program as ``solution.py`` in its work directory."""
 
     name = "python"
     program_file = "solution.py"
 
     def prepare(
         self,
-        workdir: Path,
         program: str,
         *,
-        tests: Sequence[str] | None,
+        serve: bool,
         args: Sequence[str],
         guard: bool,
         iso: Isolation,
-    ) -> tuple[list[str], str | None]:
-        results = f".weir-results-{secrets.token_hex(8)}.jsonl" if tests is not None else None
+        reply_bytes: int,
+    ) -> Prepared:
         config = json.dumps(
             {
                 "program": self.program_file,
-                "results": results,
-                "tests": list(tests) if tests is not None else None,
                 "args": list(args),
                 "guard": guard,
-            }
+                "reply_bytes": reply_bytes,
+            },
+            ensure_ascii=True,
         )
-        (workdir / self.program_file).write_text(program, encoding="utf-8")
-        launcher = _LAUNCHER.format(config=config, guard=_GUARD if guard else "")
-        (workdir / ".weir_launch.py").write_text(launcher, encoding="utf-8")
-        return [iso.python, "-I", "-B", ".weir_launch.py"], results
+        boot = boot_program(
+            iso.python, ("<weir-launcher>", _GUARD + _LAUNCHER), "__weir_launcher__"
+        )
+        try:  # text decoded with surrogateescape: its own bytes back
+            data = program.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = program.encode("utf-8", "surrogatepass")
+        files = {self.program_file: data}
+        return Prepared([iso.python, "-I", "-B", "-c", boot, config], files)
 
 
 LANGUAGES: dict[str, Language] = {"python": Python()}

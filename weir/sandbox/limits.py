@@ -7,9 +7,10 @@ from typing import Any
 
 __all__ = ["Limits", "ExecResult", "TestOutcome", "STATUSES"]
 
-# Why an execution ended. `ok`: exit status 0; `error`: a non-zero exit (an exception, a failed
-# assert); the rest are limits or denials the sandbox enforced, and `sandbox_error` is the sandbox's
-# own failure (it could not start the program), which callers count apart from the program's.
+# Why an execution ended. `ok`: exit status 0 (and, with tests, all of them passed); `error`: a
+# non-zero exit (an exception) or a failed test; the rest are limits or denials the sandbox
+# enforced, and `sandbox_error` is the sandbox's own failure (it could not start the program or the
+# judge), which callers count apart from the program's.
 STATUSES = (
     "ok",
     "error",
@@ -19,6 +20,7 @@ STATUSES = (
     "processes",
     "output_limit",
     "file_size",
+    "disk",
     "denied",
     "killed",
     "sandbox_error",
@@ -30,10 +32,14 @@ class Limits:
     """Resource limits of one execution.
 
     wall_s: real time from start to kill; cpu_s: CPU seconds (RLIMIT_CPU, SIGXCPU then SIGKILL a second
-    later); memory_mb: address space per process (RLIMIT_AS); processes: processes and threads of the
-    execution (RLIMIT_NPROC; exact only where each execution runs under its own uid, see docs/code.md);
-    open_files: RLIMIT_NOFILE; output_bytes: stdout and stderr each, the program is killed past it;
-    file_bytes: largest file it may write (RLIMIT_FSIZE).
+    later); memory_mb: address space per process (RLIMIT_AS); processes: processes and threads the
+    program may have at once, its main process included (RLIMIT_NPROC, set inside the level's
+    namespaces: exact under a uid of its own or in a user namespace, see docs/code.md);
+    open_files: RLIMIT_NOFILE; output_bytes: stdout and stderr each, the program is killed past it
+    (also the largest reply a program may send the judge); file_bytes: largest file it may write
+    (RLIMIT_FSIZE); disk_mb: what each place it may write holds, MiB (at bwrap the work directory,
+    /tmp and /dev/shm are tmpfs mounts of this size, in the host's memory; the other levels write
+    the host's disk, bounded only per file).
     """
 
     wall_s: float = 10.0
@@ -43,6 +49,7 @@ class Limits:
     open_files: int = 64
     output_bytes: int = 1 << 20
     file_bytes: int = 8 << 20
+    disk_mb: int = 64
 
     def __post_init__(self) -> None:
         for f in fields(self):

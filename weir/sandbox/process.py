@@ -1,44 +1,59 @@
-"""Run one command under an isolation level and `Limits`: capped output, wall clock, rusage, cleanup.
+"""Run one execution: the program under its isolation level and limits, and its judge beside it.
 
-The caller owns the work directory; this module starts the process tree, feeds stdin, reads stdout
-and stderr up to the cap, kills the whole tree at the wall-clock limit, reaps it with ``wait4``
-(CPU time and peak memory of the tree) and leaves no process behind: the session's process group is
-killed, and under a uid of its own every process left under that uid is killed too.
+weir is the supervisor. It starts the program (wrapped by the level, limits set by ``prlimit``
+inside the level's namespaces) with three pipes besides stdin, stdout and stderr: the start pipe,
+on which the launcher says it started before any program code runs, and, with tests, the request
+and reply pipes to the judge, which the judge server (`weir.sandbox.judge_server`) forks outside
+the sandbox and which gets the tests from a config pipe and writes its verdicts to a report pipe:
+pipes only weir and the judge hold. weir feeds the inputs, reads every output up to its cap, kills
+everything at the wall-clock limit, and reaps the program with ``wait4`` (the CPU time and peak
+memory of its tree; for a tree it had to kill, the CPU time its processes had used just before).
+Nothing the program writes to a file is ever read: what weir reports comes from pipes, exit
+statuses and /proc.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import json
 import os
-import random
 import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from weir.sandbox.isolation import (
-    SLOT_UID_BASE,
-    SLOT_UIDS,
-    WRAPPER_PROCESSES,
-    Isolation,
-    wrap_command,
-)
+from weir.sandbox.isolation import Isolation, nproc_limit, wrap_command
+from weir.sandbox.judge_server import JudgeServer
+from weir.sandbox.languages import HELLO
 from weir.sandbox.limits import Limits
+from weir.sandbox.uids import kill_uid, tree_cpu, user_process_count
 
-__all__ = ["RawResult", "run_process", "kill_uid", "processes_of_uid", "lease_uid"]
+__all__ = ["RawResult", "JudgeJob", "run_process", "limit_prefix", "judge_limits"]
 
 _MB = 1 << 20
 _READ = 1 << 16
+_JUDGE_OUTPUT = 4 << 20
+_LINGER_S = 1.0  # how long the program may outlive a judge that has finished
+
+
+@dataclass
+class JudgeJob:
+    """The judge's part of an execution: its config (tests, prefix, entry points, limits, import
+    path) and the server that forks it."""
+
+    config: dict[str, Any]
+    server: JudgeServer
 
 
 @dataclass
 class RawResult:
-    """What `run_process` saw; `killed_for` is set when the sandbox killed the tree itself."""
+    """What the supervisor saw. `killed_for` is set when it killed the tree itself (``timeout``,
+    ``output_limit``, or ``lingered``: still running after the judge had finished); `started` is
+    whether the launcher's hello came through the start pipe; `judge` holds the judge's report
+    lines."""
 
     exit_code: int | None
     signal: int | None
@@ -49,15 +64,18 @@ class RawResult:
     max_rss_mb: float
     killed_for: str | None = None
     start_error: str | None = None
+    started: bool = False
+    judge: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _limit_prefix(limits: Limits, processes: int) -> list[str]:
-    """``prlimit`` arguments, or a Python re-exec that sets the same limits where prlimit is absent."""
+def limit_prefix(limits: Limits, nproc: int, python: str) -> list[str]:
+    """``prlimit`` arguments setting `limits`, or where prlimit is absent a `python` re-exec that
+    sets the same limits."""
     cpu = max(1, int(limits.cpu_s + 0.999))
     values = {
         "as": limits.memory_mb * _MB,
         "cpu": (cpu, cpu + 1),
-        "nproc": processes,
+        "nproc": nproc,
         "nofile": limits.open_files,
         "fsize": limits.file_bytes,
         "core": 0,
@@ -68,83 +86,50 @@ def _limit_prefix(limits: Limits, processes: int) -> list[str]:
         for k, v in values.items():
             args.append(f"--{k}={v[0]}:{v[1]}" if isinstance(v, tuple) else f"--{k}={v}")
         return [*args, "--"]
-    names = {"as": "AS", "cpu": "CPU", "nproc": "NPROC", "nofile": "NOFILE", "fsize": "FSIZE"}
     sets = "".join(
-        f"r.setrlimit(r.RLIMIT_{names[k]},{v if isinstance(v, tuple) else (v, v)});"
+        f"r.setrlimit(r.RLIMIT_{k.upper()},{v if isinstance(v, tuple) else (v, v)});"
         for k, v in values.items()
-        if k in names
     )
-    code = f"import resource as r,os,sys;{sets}r.setrlimit(r.RLIMIT_CORE,(0,0));os.execvp(sys.argv[1],sys.argv[1:])"
-    return [sys.executable, "-I", "-S", "-c", code]
+    code = f"import resource as r,os,sys;{sets}os.execvp(sys.argv[1],sys.argv[1:])"
+    return [python, "-I", "-S", "-c", code]
 
 
-def processes_of_uid(uid: int | range) -> list[int]:
-    """Pids of the live (not zombie) processes of `uid` (or of any uid in a range), from /proc."""
-    uids = range(uid, uid + 1) if isinstance(uid, int) else uid
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            st = os.stat(f"/proc/{entry}")
-            if st.st_uid not in uids:  # /proc/<pid> is owned by the process's effective uid
-                continue
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            pids.append(int(entry))
-    return pids
+def judge_limits(limits: Limits) -> dict[str, Any]:
+    """The judge's own limits: the program's CPU and file limits, memory at least 512 MB."""
+    cpu = max(1, int(limits.cpu_s + 0.999))
+    return {
+        "cpu": [cpu, cpu + 1],
+        "as": max(limits.memory_mb, 512) * _MB,
+        "nofile": limits.open_files,
+        "fsize": limits.file_bytes,
+        "core": 0,
+    }
 
 
-def kill_uid(uid: int, timeout_s: float = 5.0) -> int:
-    """SIGKILL every process of `uid` until none is left (a fork bomb keeps forking for a moment);
-    returns how many were killed."""
-    killed, deadline = 0, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = processes_of_uid(uid)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
-    return killed
+class _Fds:
+    """The fds weir opened for one execution, closed when it ends (or as soon as a child has its
+    copy)."""
 
+    def __init__(self) -> None:
+        self.open: list[int] = []
 
-_LOCK_DIR = "/run/lock/weir-sandbox" if os.path.isdir("/run/lock") else "/tmp/weir-sandbox-locks"
+    def pipe(self) -> tuple[int, int]:
+        r, w = os.pipe()
+        self.open += [r, w]
+        return r, w
 
+    def add(self, fd: int) -> int:
+        self.open.append(fd)
+        return fd
 
-@contextlib.contextmanager
-def lease_uid() -> Iterator[int]:
-    """A uid no other execution uses right now, in any process on the machine: an exclusive
-    ``flock`` on its lock file (root-only directory) held for the execution, released even if weir
-    dies. Before it is handed out, anything still running under it is killed."""
-    os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
-    start = random.randrange(SLOT_UIDS)
-    for i in range(SLOT_UIDS):
-        uid = SLOT_UID_BASE + (start + i) % SLOT_UIDS
-        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            kill_uid(uid)
-            yield uid
-        finally:
-            os.close(fd)  # releases the lock
-        return
-    raise RuntimeError(f"all {SLOT_UIDS} sandbox uids are in use")
+    def close(self, *fds: int) -> None:
+        for fd in fds:
+            if fd in self.open:
+                self.open.remove(fd)
+                os.close(fd)
 
-
-def _user_process_count() -> int:
-    return len(processes_of_uid(os.getuid()))
+    def close_all(self) -> None:
+        self.close(*list(self.open))
 
 
 def run_process(
@@ -152,124 +137,277 @@ def run_process(
     *,
     iso: Isolation,
     limits: Limits,
-    workdir: str,
+    workdir: str | None,
+    files: dict[str, bytes],
     stdin: bytes = b"",
     uid: int | None = None,
     env: dict[str, str] | None = None,
+    judge: JudgeJob | None = None,
 ) -> RawResult:
-    """Run `argv` inside `iso` under `limits` in `workdir` (as `uid` when given) and reap it."""
-    processes = limits.processes + WRAPPER_PROCESSES[iso.level]
-    if uid is None:  # RLIMIT_NPROC counts every process of the uid: leave room for the caller's own
-        processes += _user_process_count()
-    cmd = _limit_prefix(limits, processes) + wrap_command(iso, argv, workdir)
+    """Run the program `argv` (the three pipe fds are appended) inside `iso` under `limits`, as
+    `uid` when given, with `files` in its work directory (`workdir` for the levels without a file
+    system of their own) and its judge beside it when given; reap everything."""
+    fds = _Fds()
+    try:
+        return _run(argv, iso, limits, workdir, files, stdin, uid, env, judge, fds)
+    finally:
+        fds.close_all()
+
+
+def _place_files(
+    iso: Isolation, workdir: str | None, files: dict[str, bytes], uid: int | None, fds: _Fds
+) -> dict[str, int]:
+    """Write `files` into the work directory; under bwrap into memfds it copies into its tmpfs."""
+    if iso.level == "bwrap":
+        out = {}
+        for name, data in files.items():
+            fd = fds.add(os.memfd_create(name, os.MFD_CLOEXEC))
+            os.write(fd, data)
+            os.lseek(fd, 0, os.SEEK_SET)
+            out[name] = fd
+        return out
+    assert workdir is not None
+    for name, data in files.items():
+        path = os.path.join(workdir, name)
+        with open(path, "xb") as f:
+            f.write(data)
+        if uid is not None:
+            os.chown(path, uid, uid)
+    return {}
+
+
+def _run(
+    argv: list[str],
+    iso: Isolation,
+    limits: Limits,
+    workdir: str | None,
+    files: dict[str, bytes],
+    stdin: bytes,
+    uid: int | None,
+    env: dict[str, str] | None,
+    judge: JudgeJob | None,
+    fds: _Fds,
+) -> RawResult:
+    ctl_r, ctl_w = fds.pipe()
+    req_r = resp_w = -1
+    jpipes: dict[str, int] = {}
+    job = None
+    if judge is not None:  # the judge first: if it cannot start, the program never does
+        cfg_r, cfg_w = fds.pipe()
+        report_r, report_w = fds.pipe()
+        req_r, req_w = fds.pipe()
+        resp_r, resp_w = fds.pipe()
+        job = judge.server.submit([cfg_r, report_w, req_w, resp_r])
+        fds.close(cfg_r, report_w, req_w, resp_r)
+        jpipes = {"cfg": cfg_w, "report": report_r}
+    file_fds = _place_files(iso, workdir, files, uid, fds)
+    nproc = nproc_limit(iso, limits.processes)
+    if uid is None and iso.level == "rlimit":  # RLIMIT_NPROC counts all of weir's user's tasks
+        nproc += user_process_count()
+    program = [*argv, str(ctl_w), str(req_r), str(resp_w)]
+    cmd = wrap_command(
+        iso,
+        limit_prefix(limits, nproc, iso.python) + program,
+        disk_bytes=limits.disk_mb * _MB,
+        files=file_fds,
+    )
     ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(
+        popen = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            cwd=workdir,
+            cwd=workdir or "/",
             env=env if env is not None else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
             start_new_session=True,
             close_fds=True,
+            pass_fds=(ctl_w, *[fd for fd in (req_r, resp_w) if fd >= 0], *file_fds.values()),
             **ids,
         )
     except OSError as e:
+        if job is not None and judge is not None:
+            judge.server.kill(job)
         return RawResult(
             None, None, b"", b"", 0.0, 0.0, 0.0, start_error=f"{type(e).__name__}: {e}"
         )
-    out, err, killed_for = bytearray(), bytearray(), None
-    deadline = start + limits.wall_s
-    reaped = None
+    fds.close(ctl_w, req_r, resp_w, *file_fds.values())
     try:
-        killed_for = _pump(proc, stdin, out, err, limits, deadline)
-        while killed_for is None:  # pipes closed: wait for the exit within the deadline
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                reaped = (status, usage)
-                break
-            if time.monotonic() >= deadline:
-                killed_for = "timeout"
-                break
-            time.sleep(0.002)
-    finally:
+        pidfd: int | None = fds.add(os.pidfd_open(popen.pid))
+    except (AttributeError, OSError):
+        pidfd = None
+    seen: dict[str, Any] = {}
+    reaped = None
+    cpu = 0.0
+    try:
+        config = json.dumps(judge.config, ensure_ascii=True).encode() if judge else b""
+        deadline = start + limits.wall_s
+        seen = _supervise(popen, pidfd, stdin, ctl_r, jpipes, config, limits, deadline, fds)
+        reaped = seen.get("reaped")
         if reaped is None:
-            _kill_tree(proc.pid)
-            _, status, usage = os.wait4(proc.pid, 0)
+            cpu = tree_cpu(popen.pid, uid)
+    finally:
+        if job is not None and judge is not None and not seen.get("judge_done"):
+            judge.server.kill(job)
+        _kill_tree(popen.pid, uid)
+        if reaped is None:
+            _, status, usage = os.wait4(popen.pid, 0)
             reaped = (status, usage)
-        proc.returncode = 0  # reaped here; keep Popen from waiting on a pid that is gone
-        wall = time.monotonic() - start
-        _kill_tree(proc.pid)
-        if uid is not None:
-            kill_uid(uid)
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
+        popen.returncode = 0  # reaped here: keep Popen from waiting on a gone pid
+        _kill_tree(popen.pid, uid)  # whatever the program left behind
+        for stream in (popen.stdin, popen.stdout, popen.stderr):
             if stream is not None and not stream.closed:
                 stream.close()
+    wall = time.monotonic() - start
     status, usage = reaped
     code = os.waitstatus_to_exitcode(status)
     return RawResult(
         exit_code=code if code >= 0 else None,
         signal=-code if code < 0 else None,
-        stdout=bytes(out[: limits.output_bytes]),
-        stderr=bytes(err[: limits.output_bytes]),
+        stdout=bytes(seen["out"][: limits.output_bytes]),
+        stderr=bytes(seen["err"][: limits.output_bytes]),
         wall_s=wall,
-        cpu_s=usage.ru_utime + usage.ru_stime,
+        cpu_s=max(cpu, usage.ru_utime + usage.ru_stime),
         max_rss_mb=usage.ru_maxrss / 1024,
-        killed_for=killed_for,
+        killed_for=seen["killed_for"],
+        started=bytes(seen["ctl"]) == HELLO,
+        judge=_report_lines(seen["report"]),
     )
 
 
-def _kill_tree(pid: int) -> None:
+def _kill_tree(pid: int, uid: int | None) -> None:
+    """SIGKILL the program's session (its tree, at the rlimit level too) and, under a leased uid,
+    everything left under it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    if uid is not None:
+        kill_uid(uid)
 
 
-def _pump(
-    proc: subprocess.Popen,
+def _report_lines(data: bytearray) -> list[dict[str, Any]]:
+    lines = []
+    for line in bytes(data).splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict):
+            lines.append(d)
+    return lines
+
+
+def _write_some(
+    sel: selectors.BaseSelector, key: Any, writes: dict[int, memoryview], fds: _Fds
+) -> None:
+    """Write what the pipe takes of the pending data; close it once all is written (or its reader
+    is gone)."""
+    try:
+        n = os.write(key.fd, writes[key.fd][:_READ])
+    except BlockingIOError:
+        n = 0
+    except BrokenPipeError:
+        n = len(writes[key.fd])
+    writes[key.fd] = writes[key.fd][n:]
+    if not writes[key.fd]:
+        del writes[key.fd]
+        sel.unregister(key.fileobj)
+        _close_input(key.fileobj, fds)
+
+
+def _close_input(target: Any, fds: _Fds) -> None:
+    """Close an input pipe: a Popen stream, or an fd of the execution's own."""
+    if isinstance(target, int):
+        fds.close(target)
+    else:
+        target.close()
+
+
+def _supervise(
+    popen: subprocess.Popen,
+    pidfd: int | None,
     stdin: bytes,
-    out: bytearray,
-    err: bytearray,
+    ctl_r: int,
+    jpipes: dict[str, int],
+    config: bytes,
     limits: Limits,
     deadline: float,
-) -> str | None:
-    """Feed stdin, collect output until both pipes close; the reason if the tree must be killed."""
+    fds: _Fds,
+) -> dict[str, Any]:
+    """Feed the program's stdin and the judge's config, collect every output, reap the program;
+    stop at the deadline, at an output over its cap, once the program has exited and its pipes
+    are drained and the judge is done, or when the program outlives a finished judge. Returns
+    what was seen (``reaped``: the program's wait status and rusage, if it was reaped)."""
+    seen: dict[str, Any] = {k: bytearray() for k in ("out", "err", "ctl", "report")} | {
+        "killed_for": None,
+        "reaped": None,
+        "judge_done": not jpipes,
+    }
+    assert popen.stdin and popen.stdout and popen.stderr
     sel = selectors.DefaultSelector()
-    assert proc.stdin and proc.stdout and proc.stderr
-    pending = memoryview(stdin)
-    if pending:
-        os.set_blocking(proc.stdin.fileno(), False)
-        sel.register(proc.stdin, selectors.EVENT_WRITE)
-    else:
-        proc.stdin.close()
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
-    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    writes: dict[int, memoryview] = {}
+    inputs: dict[int, Any] = {}
+    for target, data in ((popen.stdin, stdin), (jpipes.get("cfg"), config)):
+        if target is None:
+            continue
+        fd = target if isinstance(target, int) else target.fileno()
+        if data:
+            os.set_blocking(fd, False)
+            writes[fd], inputs[fd] = memoryview(data), target
+            sel.register(target, selectors.EVENT_WRITE)
+        else:
+            _close_input(target, fds)
+    caps = {"out": limits.output_bytes + 1, "err": limits.output_bytes + 1, "ctl": 64}
+    sel.register(popen.stdout, selectors.EVENT_READ, "out")
+    sel.register(popen.stderr, selectors.EVENT_READ, "err")
+    sel.register(ctl_r, selectors.EVENT_READ, "ctl")
+    if "report" in jpipes:
+        sel.register(jpipes["report"], selectors.EVENT_READ, "report")
+        caps["report"] = _JUDGE_OUTPUT
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+    poll = 0.5 if pidfd is not None else 0.01
+    judged_at = exited_at = None
     try:
-        while any(k.events & selectors.EVENT_READ for k in sel.get_map().values()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return "timeout"
-            for key, _ in sel.select(min(left, 0.5)):
-                if key.fileobj is proc.stdin:
-                    try:
-                        n = os.write(proc.stdin.fileno(), pending[:_READ])
-                    except BlockingIOError:
-                        n = 0
-                    except BrokenPipeError:
-                        n = len(pending)
-                    pending = pending[n:]
-                    if not pending:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
-                    continue
-                chunk = os.read(key.fileobj.fileno(), _READ)
-                if not chunk:
+        while True:
+            if seen["reaped"] is None:
+                pid, status, usage = os.wait4(popen.pid, os.WNOHANG)
+                if pid:
+                    seen["reaped"] = (status, usage)
+            reading = {k.data for k in sel.get_map().values() if k.data in caps}
+            seen["judge_done"] = "report" not in reading
+            if seen["reaped"] is not None and not reading:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                seen["killed_for"] = "timeout"
+                break
+            if jpipes and seen["judge_done"] and seen["reaped"] is None:
+                judged_at = judged_at or now  # the verdicts are in: the program's part is over
+                if now - judged_at > _LINGER_S:
+                    seen["killed_for"] = "lingered"
+                    break
+            if seen["reaped"] is not None and reading <= {"out", "err", "ctl"}:
+                exited_at = exited_at or now  # pipes held open by a process it left behind
+                if now - exited_at > 0.2:
+                    break
+            for key, _ in sel.select(min(deadline - now, poll)):
+                if key.data == "exit":
                     sel.unregister(key.fileobj)
-                    continue
-                key.data.extend(chunk)
-                if len(key.data) > limits.output_bytes:
-                    return "output_limit"
+                elif key.fd in writes:
+                    _write_some(sel, key, writes, fds)
+                else:
+                    chunk = os.read(key.fd, _READ)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buf = seen[key.data]
+                    buf.extend(chunk[: max(0, caps[key.data] - len(buf))])
+                    if key.data in ("out", "err") and len(buf) > limits.output_bytes:
+                        seen["killed_for"] = "output_limit"
+                        return seen
     finally:
         sel.close()
-    return None
+        for fd in writes:  # inputs their readers never took to the end
+            _close_input(inputs[fd], fds)
+    return seen

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -26,37 +25,45 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from weir.sandbox.isolation import Isolation, detect
-from weir.sandbox.languages import DENIED_MARK, STARTED_MARK, get_language
+from weir.sandbox.boot import import_path
+from weir.sandbox.isolation import INNER_WORKDIR, JUDGE_UID, Isolation, detect
+from weir.sandbox.judge_server import JudgeServer
+from weir.sandbox.languages import DENIED_MARK, get_language
 from weir.sandbox.limits import ExecResult, Limits, TestOutcome
-from weir.sandbox.process import RawResult, lease_uid, run_process
+from weir.sandbox.process import JudgeJob, RawResult, judge_limits, run_process
+from weir.sandbox.uids import lease_uid
 from weir.telemetry import timeline
 
 __all__ = ["Sandbox", "classify"]
 
 log = logging.getLogger(__name__)
 
-_SIGNALS = {24: "cpu_time", 25: "file_size"}  # SIGXCPU, SIGXFSZ
-
 
 def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
-    """(status, reason) of a finished execution: the sandbox's own kill reasons first, then the
-    signal that ended it, then what the program's error output says (a denied operation, a memory
-    or process limit it ran into)."""
+    """(status, reason) of the program's part of a finished execution: the sandbox's own kill
+    reasons first, then the signal that ended it, then what its error output says (a denied
+    operation, a memory, process, file-size or disk limit it ran into)."""
     if raw.start_error:
         return "sandbox_error", f"could not start the program: {raw.start_error}"
     if raw.killed_for == "timeout":
         return "timeout", f"wall time limit {limits.wall_s:g} s exceeded"
     if raw.killed_for == "output_limit":
         return "output_limit", f"output over {limits.output_bytes} bytes"
+    if raw.killed_for == "lingered":
+        return "ok", ""  # it outlived the judge, whose verdicts stand
     tail = raw.stderr[-4000:].decode("utf-8", "replace")
     sig = raw.signal
     if sig is None and raw.exit_code is not None and raw.exit_code > 128:
         sig = raw.exit_code - 128 if raw.exit_code - 128 in (9, 24, 25) else None  # via a wrapper
-    if sig in _SIGNALS or (sig == 9 and raw.cpu_s >= limits.cpu_s):
-        kind = _SIGNALS.get(sig, "cpu_time")
-        what = f"CPU time limit {limits.cpu_s:g} s" if kind == "cpu_time" else "file size limit"
-        return kind, f"{what} exceeded"
+    if sig == 25:
+        return "file_size", f"file size limit {limits.file_bytes} bytes exceeded"
+    # RLIMIT_CPU's soft limit sends SIGXCPU (the launcher exits 128 + 24 on it); a program that
+    # ignores it gets SIGKILL at the hard limit, which unshare reports as its own error: the CPU
+    # time the kernel accounted decides (the limit is enforced on tick-sampled time, which can
+    # run ahead of the precise time reported)
+    soft_cpu = max(1, int(limits.cpu_s + 0.999))
+    if sig == 24 or (raw.exit_code != 0 and raw.cpu_s >= 0.9 * soft_cpu):
+        return "cpu_time", f"CPU time limit {limits.cpu_s:g} s exceeded"
     if raw.exit_code == 0:
         return "ok", ""
     if DENIED_MARK in tail:
@@ -67,6 +74,10 @@ def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
         return "memory", f"memory limit {limits.memory_mb} MB exceeded ({last.strip()[:200]})"
     if "Resource temporarily unavailable" in tail and ("fork" in tail or "thread" in tail):
         return "processes", f"process limit {limits.processes} reached ({last.strip()[:200]})"
+    if "[Errno 27] File too large" in last:
+        return "file_size", f"file size limit {limits.file_bytes} bytes exceeded"
+    if "[Errno 28] No space left on device" in last:
+        return "disk", f"disk limit {limits.disk_mb} MB exceeded"
     if any(
         s in tail
         for s in (
@@ -83,12 +94,15 @@ def classify(raw: RawResult, limits: Limits) -> tuple[str, str]:
 
 
 def _rmtree(path: str) -> None:
-    """Remove a work directory even where the program took permissions away from its own files."""
+    """Remove a work directory even where the program took permissions away from its own files;
+    never follows a link the program made (rmtree does not, and only real directories are
+    chmod-ed)."""
 
     def fix(func: Any, p: str, _exc: Any) -> None:
         try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            os.chmod(p, stat.S_IRWXU)
+            for d in (os.path.dirname(p), p):
+                if stat.S_ISDIR(os.lstat(d).st_mode):
+                    os.chmod(d, stat.S_IRWXU)
             func(p)
         except OSError:
             pass
@@ -129,6 +143,7 @@ class Sandbox:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
+        self._judges: JudgeServer | None = None
         self._seconds: Counter[str] = Counter()
 
     @classmethod
@@ -168,10 +183,17 @@ class Sandbox:
         stdin: str | bytes = "",
         args: Sequence[str] = (),
         tests: Sequence[str] | None = None,
+        prefix: str | None = None,
+        entry_points: Sequence[str] | None = None,
         limits: Limits | None = None,
     ) -> ExecResult:
-        """Run `program` (with `tests` as a harness if given) and return what it did; never raises
-        for anything the program does. Blocks while all slots are busy."""
+        """Run `program` and return what it did; never raises for anything the program does.
+        Blocks while all slots are busy.
+
+        With `tests` a judge process runs them (`weir.sandbox.judge`), calling the program's
+        functions across a pipe: `prefix` is trusted code run first in the tests' namespace (the
+        prompt's imports and helpers), and `entry_points` the names of the functions under test
+        (default: every function the program defines)."""
         lang = get_language(language)
         iso = self.isolation
         limits = limits or self.limits
@@ -181,11 +203,26 @@ class Sandbox:
         try:
             with contextlib.ExitStack() as stack:
                 uid = stack.enter_context(lease_uid()) if iso.per_slot_uid else None
-                workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
-                stack.callback(_rmtree, workdir)
+                workdir = None
+                if iso.level != "bwrap":  # bwrap's work directory is a tmpfs of its own
+                    workdir = tempfile.mkdtemp(prefix="weir-sandbox-", dir=self.tmp_dir)
+                    stack.callback(_rmtree, workdir)
+                    os.chmod(workdir, 0o700)
+                    if uid is not None:
+                        os.chown(workdir, uid, uid)
                 with timeline.span("sandbox.exec", cat="sandbox", slot=slot, level=iso.level):
                     result = self._run_in(
-                        lang, iso, Path(workdir), uid, program, stdin, args, tests, limits
+                        lang,
+                        iso,
+                        workdir,
+                        uid,
+                        program,
+                        stdin,
+                        args,
+                        tests,
+                        limits,
+                        prefix,
+                        entry_points,
                     )
         except (OSError, RuntimeError) as e:  # the sandbox's own failure, not the program's
             result = ExecResult(
@@ -212,48 +249,72 @@ class Sandbox:
         self,
         lang: Any,
         iso: Isolation,
-        workdir: Path,
+        workdir: str | None,
         uid: int | None,
         program: str,
         stdin: str | bytes,
         args: Sequence[str],
         tests: Sequence[str] | None,
         limits: Limits,
+        prefix: str | None = None,
+        entry_points: Sequence[str] | None = None,
     ) -> ExecResult:
-        os.chmod(workdir, 0o700)
-        argv, results = lang.prepare(
-            workdir, program, tests=tests, args=args, guard=self.python_guard, iso=iso
+        prepared = lang.prepare(
+            program,
+            serve=tests is not None,
+            args=args,
+            guard=self.python_guard,
+            iso=iso,
+            reply_bytes=limits.output_bytes,
         )
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            for f in workdir.iterdir():
-                os.chown(f, uid, uid)
         env = {
             "PATH": "/usr/bin:/bin",
             "LANG": "C.UTF-8",
-            "HOME": "/sandbox" if iso.level == "bwrap" else str(workdir),
+            "HOME": INNER_WORKDIR if workdir is None else workdir,
             "PYTHONHASHSEED": "0",
         }
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        judge = None
+        if tests is not None:
+            config = {
+                "tests": list(tests),
+                "prefix": prefix,
+                "entry_points": list(entry_points) if entry_points else None,
+                "reply_bytes": limits.output_bytes,
+                "limits": judge_limits(limits),
+                "path": import_path(iso.python),
+            }
+            judge = JudgeJob(config, self._judge_server(iso, uid is not None))
+        data = stdin.encode("utf-8", "surrogateescape") if isinstance(stdin, str) else stdin
         raw = run_process(
-            argv, iso=iso, limits=limits, workdir=str(workdir), stdin=data, uid=uid, env=env
+            prepared.argv,
+            iso=iso,
+            limits=limits,
+            workdir=workdir,
+            files=prepared.files,
+            stdin=data,
+            uid=uid,
+            env=env,
+            judge=judge,
         )
         status, reason = classify(raw, limits)
-        if status in ("error", "killed") and not (workdir / STARTED_MARK).exists():
+        if status in ("error", "killed") and not raw.started:
             first = raw.stderr.decode("utf-8", "replace").strip().splitlines()[:1]
             status = "sandbox_error"
             reason = f"the program never started: {first[0] if first else f'exit {raw.exit_code}'}"
         outcomes: list[TestOutcome] = []
         if tests is not None:
-            outcomes = _read_results(workdir / results if results else None, len(tests))
-            if (
-                status == "error"
-                and outcomes
-                and not any(t.error is None and not t.passed for t in outcomes)
-            ):
-                failed = [t for t in outcomes if not t.passed and t.error]
-                if failed:
-                    reason = f"{len(failed)}/{len(tests)} tests failed; first: {failed[0].error}"
+            outcomes = _outcomes(raw.judge, len(tests))
+            judge_failure = _judge_failure(raw)
+            hit = next((d for d in raw.judge if d.get("limit") == "cpu_time"), None)
+            if judge_failure and status != "sandbox_error":
+                status, reason = "sandbox_error", judge_failure
+            elif hit is not None and status in ("ok", "error"):
+                status = "cpu_time"  # a test's own code, run in the judge, used up the CPU limit
+                reason = f"CPU time limit {limits.cpu_s:g} s exceeded in test {hit.get('test')}"
+            elif status in ("ok", "error") and not all(t.passed for t in outcomes):
+                failed = [t for t in outcomes if not t.passed]
+                status = "error"
+                reason = f"{len(failed)}/{len(tests)} tests failed; first: {failed[0].error}"
         return ExecResult(
             status=status,
             exit_code=raw.exit_code,
@@ -266,6 +327,12 @@ class Sandbox:
             level=iso.level,
             tests=outcomes,
         )
+
+    def _judge_server(self, iso: Isolation, own_uid: bool) -> JudgeServer:
+        with self._lock:
+            if self._judges is None:
+                self._judges = JudgeServer(iso.python, JUDGE_UID if own_uid else None)
+            return self._judges
 
     async def arun(self, program: str, **kwargs: Any) -> ExecResult:
         """`run` in the sandbox's own thread pool (`max_parallel` threads), off the event loop."""
@@ -288,23 +355,32 @@ class Sandbox:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._judges is not None:
+            self._judges.close()
 
 
-def _read_results(path: Path | None, n: int) -> list[TestOutcome]:
-    """One outcome per test: the harness's verdicts, and "not reached" for tests it never finished."""
+def _outcomes(report: list[dict[str, Any]], n: int) -> list[TestOutcome]:
+    """One outcome per test from the judge's report; a test it never reported (the execution was
+    stopped first) is failed, "not reached"."""
     seen: dict[int, TestOutcome] = {}
-    program_error = None
-    if path is not None and path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(d, dict):
-                continue
-            if "program_error" in d:
-                program_error = str(d["program_error"])
-            elif isinstance(d.get("test"), int) and 0 <= d["test"] < n:
-                seen[d["test"]] = TestOutcome(d["test"], d.get("ok") is True, d.get("error"))
-    missing = f"not reached ({program_error})" if program_error else "not reached"
-    return [seen.get(i, TestOutcome(i, False, missing)) for i in range(n)]
+    for d in report:
+        i = d.get("test")
+        if type(i) is int and 0 <= i < n:
+            error = d.get("error")
+            seen[i] = TestOutcome(i, d.get("ok") is True, None if error is None else str(error))
+    return [seen.get(i, TestOutcome(i, False, "not reached")) for i in range(n)]
+
+
+def _judge_failure(raw: RawResult) -> str | None:
+    """Why the judge itself failed (it never started, or reported an error of its own), or None.
+    A judge stopped by a limit, or by weir at the deadline, is not the sandbox's failure: the tests
+    it had not reported count as failed."""
+    if raw.start_error or raw.killed_for in ("timeout", "output_limit"):
+        return None
+    for d in raw.judge:
+        if "judge_error" in d:
+            lines = str(d["judge_error"]).strip().splitlines()
+            return f"the judge failed: {lines[-1] if lines else 'no reason given'}"
+    if not any("up" in d for d in raw.judge):
+        return "the judge never started"
+    return None

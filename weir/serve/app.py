@@ -295,7 +295,9 @@ def create_app(state: ServerState) -> FastAPI:
             error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500
         )
 
-    def caller(request: Request) -> Session | None:
+    # The dependencies are `async def`: FastAPI runs a plain `def` one in a worker thread, two thread
+    # hops per call that, under a burst of calls, interleave every request's start with all the others.
+    async def caller(request: Request) -> Session | None:
         """The caller's session, or None for the admin key; 401 for anything else."""
         key = _bearer(request)
         if secrets.compare_digest(key.encode(), state.sessions.admin_key.encode()):
@@ -305,12 +307,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(401, "invalid API key", "authentication_error")
         return session
 
-    def model_caller(session: Session | None = Depends(caller)) -> Session | None:
+    async def model_caller(session: Session | None = Depends(caller)) -> Session | None:
         if session is not None and session.closed:
             raise ApiError(403, f"session {session.id} is closed", "permission_error")
         return session
 
-    def owned(session_id: str, session: Session | None = Depends(caller)) -> Session:
+    async def owned(session_id: str, session: Session | None = Depends(caller)) -> Session:
         """The session named in the path ("current": the caller's own); 403 for another's."""
         if session_id == "current":
             if session is None:
@@ -359,7 +361,10 @@ def create_app(state: ServerState) -> FastAPI:
                 ) from None
             completions = await state.generate(prompt.ids, params, session, vision)
             choices = [state.choice(c, req.stop) for c in completions]
-            parsed = [state.formatter.assistant(ch.text, tools) for ch in choices]
+            parsed = [
+                state.formatter.assistant(ch.text, tools, ch.token_ids, ch.finish_reason)
+                for ch in choices
+            ]
             if session is not None:
                 content, calls, errors = parsed[0]
                 ch = choices[0]

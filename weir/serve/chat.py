@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weir.rollout.tool_calls import ToolCall, parse_tool_calls
+from weir.rollout.tool_calls import ToolCall, get_tool_format, raw_turn_text
 from weir.serve.protocol import ChatMessage
 from weir.serve.trajectory import Turn
 
@@ -72,6 +72,7 @@ class ChatFormatter:
         self.stop_ids = [int(i) for i in stop_ids]
         self.stop_texts = {i: tokenizer.decode([i]) for i in self.stop_ids}
         self.tool_format = tool_format
+        self.format = get_tool_format(tool_format)  # an unknown format stops the server's start
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation}
@@ -133,13 +134,19 @@ class ChatFormatter:
         return turn[pos:]
 
     def assistant(
-        self, text: str, tools: list[dict] | None
+        self,
+        text: str,
+        tools: list[dict] | None,
+        token_ids: Sequence[int] | None = None,
+        finish_reason: str = "stop",
     ) -> tuple[str, list[ToolCall], list[str]]:
-        """Split the model's text into content and tool calls (only when tools were offered)."""
+        """Split the model's text into content and tool calls (only when tools were offered). A
+        format whose markers are special tokens parses the turn's `token_ids` decoded with them."""
         if not tools:
             return text, [], []
-        names = [t["function"]["name"] for t in tools]
-        parsed = parse_tool_calls(text, self.tool_format, tools=names)
+        if token_ids is not None and getattr(self.format, "special_tokens", False):
+            text = raw_turn_text(self.tokenizer, list(token_ids), finish_reason)
+        parsed = self.format.parse(text, tools)
         return parsed.content, parsed.calls, parsed.errors
 
 

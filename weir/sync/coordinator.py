@@ -85,7 +85,8 @@ class WeightSync:
         self._members: tuple[int, ...] | None = None  # replicas in the current broadcast group
         self._shared: list[int] = []  # replicas that take memory handles
         self._generation = itertools.count()
-        self._buckets: list[list[TensorMeta]] | None = None
+        self._metas: list[TensorMeta] | None = None
+        self._buckets: tuple[int, list[list[TensorMeta]]] | None = None  # (bucket bytes, plan)
         self._pushed = False
         self._trained_at_push = 0
         self._lock = threading.Lock()  # a push and a restore never interleave
@@ -101,13 +102,14 @@ class WeightSync:
         start = time.perf_counter()
         live = self.router.live()
         gathered = start
+        offload_s = 0.0
         if self.transport == "broadcast":
             try:
-                nbytes = self._stream(live, version)
+                nbytes, offload_s = self._stream(live, version)
             except Exception as err:  # a replica died mid-sync: once more with the live ones
                 log.warning("weight sync failed (%s); forming a new group and retrying", err)
                 self._members = None
-                nbytes = self._stream(self._answering(self.router.live()), version)
+                nbytes, offload_s = self._stream(self._answering(self.router.live()), version)
         else:
             metas = self.trainer.call("gather", self.role)[0]
             gathered = time.perf_counter()
@@ -126,14 +128,16 @@ class WeightSync:
         self._trained_at_push = getattr(self.trainer, "trained", 0)
         self.version = self.router.version = version
         end = time.perf_counter()
+        deliver = end - gathered - offload_s
         checked = {"sync/verified": self.check(version)} if self.verify else {}
         return {
             **checked,
             "time/sync": end - start,
             "sync/gather_s": gathered - start,
-            "sync/deliver_s": end - gathered,
+            "sync/deliver_s": deliver,
+            "sync/offload_s": offload_s,
             "sync/mb": nbytes / 2**20,
-            "sync/mb_per_s": nbytes / 2**20 / max(end - gathered, 1e-9),
+            "sync/mb_per_s": nbytes / 2**20 / max(deliver, 1e-9),
             "cluster/engine_retries": float(self.router.retries),
             "cluster/engine_restarts": float(self.router.restarts),
         }
@@ -172,18 +176,29 @@ class WeightSync:
         return sorted(out, key=lambda x: x[0])
 
     def _layout(self) -> list[list[TensorMeta]]:
-        if self._buckets is None:
-            metas = self.trainer.get([self.trainer.rank0.layout.remote(self.dtype, self.role)])[0]
-            self._buckets = plan_buckets(metas, self.bucket_bytes)
-        return self._buckets
+        """The buckets of a sync. When every replica takes memory handles, a bucket may be as
+        large as the largest tensor (which travels alone in one anyway): rank 0's two staging
+        buffers are that large already, and fewer buckets are fewer round trips."""
+        if self._metas is None:
+            self._metas = self.trainer.get(
+                [self.trainer.rank0.layout.remote(self.dtype, self.role)]
+            )[0]
+        handles_only = self._members is not None and not self._members
+        size = self.bucket_bytes
+        if handles_only:
+            size = max(size, max((m.nbytes for m in self._metas), default=0))
+        if self._buckets is None or self._buckets[0] != size:
+            self._buckets = (size, plan_buckets(self._metas, size))
+        return self._buckets[1]
 
-    def _stream(self, live: list[tuple[int, Any]], version: int) -> int:
-        """Bucket by bucket from the shards to the `live` replicas; returns the bytes per replica."""
+    def _stream(self, live: list[tuple[int, Any]], version: int) -> tuple[int, float]:
+        """Bucket by bucket from the shards to the `live` replicas; returns the bytes per replica
+        and the seconds rank 0's offload after it took."""
         import ray
 
-        buckets = self._layout()
         if self._members is None or set(self._members) | set(self._shared) != {i for i, _ in live}:
             self._form_group(live)
+        buckets = self._layout()
         actors = dict(live)
         shared = [actors[i] for i in self._shared]
         recv = [actors[i].receive.remote(buckets, version) for i in self._members or ()]

@@ -11,9 +11,9 @@ push (`release`).
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ import torch
 from weir.engine.ray_engine import EngineWorker
 from weir.sync.broadcast import BroadcastGroup, TensorMeta
 from weir.sync.disk import DiskStore
-from weir.sync.handles import Handle, open_handle, share
+from weir.sync.handles import Handle
+from weir.sync.handoff import HANDLE_TIMEOUT_S, Inbox, Staging
 from weir.sync.hashing import weights_hash
 from weir.sync.host_memory import peak_rss, reset_peak_rss, rss
 from weir.sync.shards import (
@@ -34,9 +35,7 @@ from weir.sync.shards import (
 )
 from weir.train.batch import TrainBatch
 from weir.train.distributed import TrainerRank, free_port
-from weir.train.offload import host_bytes, move_trainer
-
-HANDLE_TIMEOUT_S = 600.0
+from weir.train.offload import StateMover, host_bytes, move_trainer
 
 
 def device_key(device: torch.device) -> tuple[str, str]:
@@ -54,6 +53,7 @@ class SyncTrainerRank(TrainerRank):
 
     _full: dict[str, torch.Tensor] | None = None
     _groups: dict[str, BroadcastGroup] | None = None  # rank 0: the broadcast group of each policy
+    _movers: dict[int, StateMover] | None = None  # by id of the optimizer whose state it moves
 
     @property
     def _offloads(self) -> bool:
@@ -72,11 +72,18 @@ class SyncTrainerRank(TrainerRank):
         weight sync that follows, which reads them on the device and then offloads them
         (`stream`): otherwise every step would move the float32 parameters to the host and back
         only to read them."""
-        self.onload()
+        start = time.perf_counter()
+        self.onload(overlap_state=True)
+        onloaded = time.perf_counter()
         try:
-            return super().train(batch)
+            stats = super().train(batch)
         finally:
+            trained = time.perf_counter()
             self.offload(keep_params=True)
+        if self._offloads:
+            stats["time/onload"] = onloaded - start
+            stats["time/offload"] = time.perf_counter() - trained
+        return stats
 
     def _on_device(self, method: str, *args: Any) -> Any:
         self.onload()
@@ -116,34 +123,66 @@ class SyncTrainerRank(TrainerRank):
                 out.append(([c.model], c.optimizer))
         return out
 
+    def _state_mover(self, optimizer: Any) -> StateMover:
+        """The `StateMover` of one optimizer (each keeps its own stream and step hook)."""
+        self._movers = self._movers if self._movers is not None else {}
+        key = id(optimizer)
+        if key not in self._movers:
+            pinned = self.settings.cluster.offload_pinned
+            self._movers[key] = StateMover(torch.device(self.device), pinned=pinned)
+        return self._movers[key]
+
     def offload(self, *, keep_params: bool = False) -> int:
         """Colocated on a GPU: move the parameter shards (unless `keep_params`: the policies'), the
         references' and the optimizer state to host memory, and free the gradients (the next step
         zeroes them before its backward, so moving them would copy dead values both ways). A
         weight sync works either way: it moves each offloaded shard to the device as it gathers
-        it. Returns the bytes moved; 0 when not colocated or on the CPU."""
+        it. Returns the bytes moved; 0 when not colocated or on the CPU.
+
+        After a step (`keep_params`) the optimizer states leave on streams of their own
+        (`StateMover`) while the weight sync that follows runs; the sync's own offload (without
+        `keep_params`) completes them."""
         if not self._offloads or not self.policies:
             return 0
         pinned = self.settings.cluster.offload_pinned
-        moved = 0
-        policies = {id(a.model) for a in self.policies.values()}
-        for modules, optimizer in self._movables():
+        host = torch.device("cpu")
+        movables = self._movables()
+        for _, optimizer in movables:
             optimizer.zero_grad(set_to_none=True)
-            if keep_params:
-                modules = [m for m in modules if m is None or id(m) not in policies]
-            moved += move_trainer(modules, optimizer, torch.device("cpu"), pinned=pinned)
+        moved = 0
+        if keep_params:  # the references (and critics) leave now, then the states on their streams
+            policies = {id(a.model) for a in self.policies.values()}
+            for modules, _ in movables:
+                rest = [m for m in modules if m is None or id(m) not in policies]
+                moved += move_trainer(rest, None, host, pinned=pinned)
+            for _, optimizer in movables:
+                moved += self._state_mover(optimizer).to_host(optimizer)
+            return moved
+        for modules, optimizer in movables:
+            self._state_mover(optimizer).wait()
+            moved += move_trainer(modules, optimizer, host, pinned=pinned)
         return moved
 
-    def onload(self) -> int:
-        """Undo `offload` (before training); returns the bytes moved."""
+    def onload(self, *, overlap_state: bool = False) -> int:
+        """Undo `offload`; returns the bytes moved. With `overlap_state` (before a step) the
+        optimizer states come on streams of their own while the forward and backward run, and
+        each optimizer's step waits for its own (`StateMover`)."""
         if not self._offloads or not self.policies:
             return 0
         pinned = self.settings.cluster.offload_pinned
         device = torch.device(self.device)
-        return sum(
-            move_trainer(modules, optimizer, device, pinned=pinned)
-            for modules, optimizer in self._movables()
-        )
+        movables = self._movables()
+        for _, optimizer in movables:  # a move still in flight lands before this one starts
+            self._state_mover(optimizer).wait()
+        if not overlap_state:
+            return sum(
+                move_trainer(modules, optimizer, device, pinned=pinned)
+                for modules, optimizer in movables
+            )
+        moved = sum(move_trainer(modules, None, device, pinned=pinned) for modules, _ in movables)
+        for _, optimizer in movables:
+            moved += self._state_mover(optimizer).to_device(optimizer, device)
+        return moved
 
     def device_memory(self) -> dict[str, int]:
         """CUDA memory this process holds (allocated / reserved by torch), and the bytes of its
@@ -215,36 +254,52 @@ class SyncTrainerRank(TrainerRank):
 
     def stream(
         self, buckets: list[list[TensorMeta]], shared: list[Any], version: int, role: str = ""
-    ) -> int:
+    ) -> tuple[int, float]:
         """Collective over the trainer ranks: gather bucket after bucket from the shards; rank 0
-        broadcasts each to its group and hands it to the engine actors in `shared` (same device) by
-        memory handle, waiting until they copied it. Returns the bytes rank 0 delivered. Offloads
-        the parameters `train` left on the device for it, also on error."""
+        broadcasts each to its group and hands it to the engine actors in `shared` (same device)
+        by memory handle. Returns (the bytes rank 0 delivered, the seconds the offload after it
+        took). Offloads the parameters `train` left on the device for it, also on error.
+
+        The handles point into two staging buffers that the buckets take in turn (`Staging`): an
+        engine opens each buffer once per sync, and rank 0 fills the next bucket while the
+        engines copy the last one out of the other buffer."""
         root = self.rank == 0
         sent = 0
         error: Exception | None = None
+        device = torch.device(self.device)
+        staging = Staging(buckets, device) if root and shared else None
         try:
             flats = gather_buckets(
                 self._sharded(role),
                 buckets,
-                torch.device(self.device),
+                device,
                 root=root,
-                shareable=root and bool(shared),
+                into=None if staging is None else staging.take,
             )
             for bucket, flat in zip(buckets, flats, strict=True):
                 if flat is None or error is not None:
                     continue  # after a failed send rank 0 still takes part in the gathers
                 try:
-                    self._deliver(flat, bucket, shared, version, role)
+                    self._deliver(flat, bucket, shared, version, role, staging)
                 except Exception as err:  # an engine died: the driver retries with the live ones
                     error = err
                 sent += flat.numel() * flat.element_size()
                 del flat
+                if staging is not None and staging.error is not None:
+                    error = staging.error
+            if staging is not None:
+                staging.drain()
+                error = error or staging.error
         finally:
+            del staging
+            if device.type == "cuda":  # buffers the engines mapped are freed once they let go
+                torch.cuda.ipc_collect()
+            start = time.perf_counter()
             self.offload()
+            offload_s = time.perf_counter() - start
         if error is not None:
             raise RuntimeError(f"weight sync: delivery failed ({error})")
-        return sent
+        return sent, offload_s
 
     def _deliver(
         self,
@@ -253,20 +308,19 @@ class SyncTrainerRank(TrainerRank):
         shared: list[Any],
         version: int,
         role: str = "",
+        staging: Staging | None = None,
     ) -> None:
-        """One bucket to `role`'s broadcast group and, by memory handle, to the engines in
-        `shared`."""
-        import ray
-
+        """One bucket to `role`'s broadcast group and, by its staging buffer's memory handle, to
+        the engines in `shared` (their copies are waited for before the buffer is reused)."""
         group = (self._groups or {}).get(role)
         if group is not None:
             group.send_flat(flat, bucket)
         if shared:
-            if flat.is_cuda:
+            assert staging is not None, "handles go through rank 0's staging buffers"
+            if flat.is_cuda:  # the engines read it on their own streams: the writes land first
                 torch.cuda.current_stream(flat.device).synchronize()
-            handle = share(flat)
-            refs = [e.put_shared.remote(handle, version) for e in shared]
-            ray.get(refs, timeout=HANDLE_TIMEOUT_S)
+            refs = [e.put_shared.remote(staging.handle, version, staging.index) for e in shared]
+            staging.hand_over(refs)
 
     def gather(self, role: str = "") -> list[TensorMeta]:
         """Collective: rank 0 keeps the full weights of `role`'s engines (host memory) until
@@ -373,42 +427,16 @@ class SyncTrainerRank(TrainerRank):
         reset_peak_rss()
 
 
-class _Inbox:
-    """Buckets handed to an engine by memory handle, consumed by one weight update."""
-
-    def __init__(self) -> None:
-        self.items: queue.Queue[tuple[Handle, threading.Event]] = queue.Queue()
-        self.failed: BaseException | None = None
-
-    def stream(
-        self, buckets: list[list[TensorMeta]], device: torch.device
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in buckets:
-            try:
-                handle, done = self.items.get(timeout=HANDLE_TIMEOUT_S)
-            except queue.Empty:
-                raise TimeoutError(
-                    "no bucket from trainer rank 0 within the handle timeout"
-                ) from None
-            flat = open_handle(handle, device)
-            for m, part in zip(bucket, flat.split([m.numel for m in bucket]), strict=True):
-                yield m.name, part.view(m.shape)
-            if flat.is_cuda:  # the copies must be done before rank 0 reuses the memory
-                torch.cuda.current_stream(flat.device).synchronize()
-            del flat, part
-            done.set()
-
-
 class SyncEngineWorker(EngineWorker):
     """An engine replica that receives weights by broadcast, memory handle, disk or object store."""
 
     _group: BroadcastGroup | None = None
-    _inboxes: dict[int, _Inbox] | None = None
+    _inboxes: dict[int, Inbox] | None = None
 
-    def _inbox(self, version: int) -> _Inbox:
+    def _inbox(self, version: int) -> Inbox:
         if self._inboxes is None:
             self._inboxes = {}
-        return self._inboxes.setdefault(version, _Inbox())
+        return self._inboxes.setdefault(version, Inbox())
 
     async def device_key(self) -> tuple[str, str]:
         return device_key(next(self.engine.model.parameters()).device)
@@ -439,17 +467,16 @@ class SyncEngineWorker(EngineWorker):
             self._inboxes.pop(version, None)
             if inbox.failed is not None:  # a bucket still on its way finds it failed
                 self._inboxes[version] = inbox
-            while not inbox.items.empty():  # release a sender waiting on a bucket never read
-                inbox.items.get_nowait()[1].set()
+            inbox.release()
 
-    async def put_shared(self, handle: Handle, version: int) -> None:
-        """Rank 0: here is the next bucket of `version`; returns once it is copied into the model
-        (or the update failed)."""
+    async def put_shared(self, handle: Handle, version: int, index: int | None = None) -> None:
+        """Rank 0: here is bucket `index` (None: the next) of `version`; returns once it is copied
+        into the model (or the update failed)."""
         inbox = self._inbox(version)
         if inbox.failed is not None:
             raise RuntimeError(f"the engine failed to load version {version}: {inbox.failed}")
         done = threading.Event()
-        inbox.items.put((handle, done))
+        inbox.items.put((index, handle, done))
         await asyncio.to_thread(done.wait, HANDLE_TIMEOUT_S)
         if inbox.failed is not None:
             raise RuntimeError(f"the engine failed to load the bucket: {inbox.failed}")

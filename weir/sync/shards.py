@@ -80,6 +80,8 @@ def full_tensor(
     if not isinstance(t, DTensor):
         return t.detach().to(device, cast)
     local = t.to_local().detach()
+    if t.device_mesh.size() == 1 and local.shape == t.shape:  # one rank holds all of it
+        return local.to(device, cast)
     if local.device != device or local.dtype != cast:
         t = DTensor.from_local(
             local.to(device, cast), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
@@ -94,13 +96,15 @@ def gather_buckets(
     *,
     root: bool,
     shareable: bool = False,
+    into: Callable[[int, torch.dtype], torch.Tensor] | None = None,
 ) -> Iterator[torch.Tensor | None]:
     """Collective: yields each bucket's flat buffer (its tensors in order, cast to their meta
     dtype) on the `root` rank, None on the others.
 
-    The caller sends the buffer and lets go of it before asking for the next. With `shareable` the
-    buffer is allocated for `weir.sync.handles.share` (device memory on CUDA, a shared-memory
-    segment on the CPU); otherwise a bucket of one tensor goes as the gathered tensor itself.
+    The caller sends the buffer and lets go of it before asking for the next. `into(numel, dtype)`
+    gives the buffer to fill (a staging buffer the caller reuses); otherwise with `shareable` it is
+    allocated for `weir.sync.handles.share` (device memory on CUDA, a shared-memory segment on the
+    CPU), else a bucket of one tensor goes as the gathered tensor itself.
     """
     for bucket in buckets:
         if not root:
@@ -109,11 +113,13 @@ def gather_buckets(
             yield None
             continue
         dtype = bucket[0].torch_dtype
-        if len(bucket) == 1 and not shareable:
+        if len(bucket) == 1 and not shareable and into is None:
             yield full_tensor(state[bucket[0].name], device, dtype).reshape(-1)
             continue
         numel = sum(m.numel for m in bucket)
-        if shareable:
+        if into is not None:
+            flat = into(numel, dtype)
+        elif shareable:
             flat = alloc_shareable(numel, dtype, device)
         else:
             flat = torch.empty(numel, dtype=dtype, device=device)

@@ -1,7 +1,8 @@
 """Arithmetic: the bare expression ``"47+85"`` as the prompt, the integer ``"132"`` as the answer.
 
 The tiny model's chat template wraps the prompt; the target response is just the digits and the
-model then emits EOS. Train and test problems never overlap: every problem is assigned to one
+model then emits EOS. For a pretrained chat model, `template` words the prompt as a person would
+(``"What is {a} {op} {b}? Reply with only the final number."``). Train and test problems never overlap: every problem is assigned to one
 split by a hash of its text (a fixed ~10% go to test), independent of seeds and sizes.
 """
 
@@ -42,8 +43,8 @@ def _operand_range(lo_d: int, hi_d: int) -> tuple[int, int]:
     return (0 if lo_d == 1 else 10 ** (lo_d - 1)), 10**hi_d - 1
 
 
-def _row(a: int, op: str, b: int) -> dict[str, Any]:
-    prompt = f"{a}{op}{b}"
+def _row(a: int, op: str, b: int, template: str | None = None) -> dict[str, Any]:
+    prompt = f"{a}{op}{b}" if template is None else template.format(a=a, op=op, b=b)
     return {"prompt": prompt, "answer": str(_OPS[op](a, b)), "task": "arithmetic"}
 
 
@@ -55,15 +56,25 @@ def make_rows(
     digits: int = 2,
     ops: str = "+",
     min_digits: int | None = None,
+    template: str | None = None,
 ) -> list[dict[str, Any]]:
     """`n` problems ``a<op>b`` with operands of `min_digits`..`digits` digits (default exactly
     `digits`; 1-digit operands include 0) and an operator drawn from `ops` (``"+"``, ``"+*"``,
-    ``"+-*"``). Rows: ``{"prompt": "47+85", "answer": "132", "task": "arithmetic"}``.
+    ``"+-*"``). Rows: ``{"prompt": "47+85", "answer": "132", "task": "arithmetic"}``; with
+    `template` (a `str.format` string of ``{a}``, ``{op}``, ``{b}``) the prompt is that string
+    filled in. The split of a problem is decided by ``a<op>b`` whatever the template.
 
     Problems are distinct within a split while the split's problem space lasts, then repeat.
     The same (split, n, seed, options) always gives the same rows.
     """
     lo_d, hi_d, ops = _check(split, digits, min_digits, ops)
+    if template is not None:
+        try:
+            template.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"arithmetic: template {template!r} must use only {{a}}, {{op}} and {{b}}: {err!r}"
+            ) from None
     lo, hi = _operand_range(lo_d, hi_d)
     rng = random.Random(f"arithmetic:{split}:{seed}")
     width = hi - lo + 1
@@ -81,7 +92,7 @@ def make_rows(
         picks: list[tuple[int, str, int]] = []
         while len(picks) < n:
             picks.extend(rng.sample(pool, min(n - len(picks), len(pool))))
-        return [_row(*p) for p in picks]
+        return [_row(*p, template) for p in picks]
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     while len(rows) < n:
@@ -90,7 +101,7 @@ def make_rows(
         if key in seen or split_of(key) != split:
             continue
         seen.add(key)
-        rows.append(_row(a, op, b))
+        rows.append(_row(a, op, b, template))
     return rows
 
 

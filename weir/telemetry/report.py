@@ -187,8 +187,32 @@ def _summary(run_dir: Path, steps: dict[int, dict[str, float]]) -> str:
         ],
         ["wall time of the logged steps", f"{wall:.1f} s" if wall else "–"],
         ["weight version at the end", _fmt(last.get("version"))],
+        ["mismatch correction the run needs", html.escape(mismatch_line(steps))],
     ]
     return _section(f"Run {run_dir.name}", _table(None, rows, "summary"))
+
+
+# the presets `weir.algo.recommend_preset` may name, in the order of `mismatch/recommended`
+RECOMMENDABLE = ("none", "tis", "seq_mis", "icepop")
+
+
+def mismatch_line(steps: dict[int, dict[str, float]]) -> str:
+    """One line on the engine/trainer ratios of the run (`mismatch/*` of `weir.algo`'s
+    `mismatch_diagnostics`): the preset the last steps need and the spread behind it."""
+    seen = [m for _, m in sorted(steps.items()) if "mismatch/recommended" in m]
+    if not seen:
+        return "– (no step measured the engine/trainer ratios)"
+    last = seen[-5:]
+    votes = [RECOMMENDABLE[int(m["mismatch/recommended"])] for m in last]
+    pick = max(set(votes), key=votes.count)
+    m = last[-1]
+    return (
+        f"{pick} (the last {len(last)} steps: {', '.join(votes)}); token ratio 1%-99% "
+        f"{m['mismatch/token_ratio_q01']:.4g}-{m['mismatch/token_ratio_q99']:.4g}, "
+        f"{100 * m['mismatch/outside/token_mask']:.3g}% of tokens and "
+        f"{100 * m['mismatch/outside/seq_mask']:.3g}% of sequences outside [0.5, 2]; "
+        "algo.correction.preset sets it (docs/algorithms.md)"
+    )
 
 
 def _timeline_table(spans: list[Span]) -> str:

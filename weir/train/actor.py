@@ -8,7 +8,6 @@ the gradient does not depend on how it was split into micro-batches.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import defaultdict
@@ -18,34 +17,40 @@ from typing import TYPE_CHECKING
 import torch
 
 from weir import algo
+from weir.data.moe_routing import Routes, install_routing
 from weir.telemetry.timeline import span
-from weir.train.actor_settings import ActorSettings, check_algo_options
+from weir.train.actor_hooks import ProcessHooks
+from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
 from weir.train.batch import TrainBatch
+from weir.train.fuse import apply_fusion
+from weir.train.layout_cost import LayoutChoice
+from weir.train.memory_plan import planned_train_config
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import (
     Layout,
-    choose_layout,
-    micro_batches,
     prefix_refusal,
     prefix_refused_unprobed,
     response_logprobs,
 )
-from weir.train.precision import Precision
+from weir.train.response_rows import check_kernel, logprob_kernel, to_device
 from weir.train.step_checks import (
-    add_loss_metrics,
+    MicroBatchRecords,
     drop_nonfinite,
-    finite_forward,
+    finite_flag,
     mismatch,
+    mismatch_spread,
     warn_over_max_len,
 )
+from weir.train.teacher import distill_advantages, distill_loss, make_teacher
 
 if TYPE_CHECKING:
     from weir.train.critic import Critic
 
 
-class Actor:
-    """Policy model, optimizer and schedule, plus an optional frozen reference for KL."""
+class Actor(ProcessHooks):
+    """Policy model, optimizer and schedule, plus an optional frozen reference for KL and a
+    distillation teacher."""
 
     offload_in_optimizer = True
     """`train.offload_optimizer` is done by the optimizer (OffloadedAdamW); FSDP2 does it itself."""
@@ -69,12 +74,15 @@ class Actor:
         self.loss_options = dict(self.acfg.loss_options)
         self.max_len = int(self.loss_options.pop("max_len", settings.max_response_tokens))
         self._warned_max_len = False
-        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
         self.precision = self._precision(model)
         self.device = self.precision.device
-        self._layout: Layout | None = None
+        # train.memory=plan: checkpointing and the micro-batch budget from the memory model
+        self.tcfg = planned_train_config(self.tcfg, model, self.device, self.precision)
+        self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
+        check_kernel(self.tcfg.logprob_kernel, self.device)
+        self._layouts: LayoutChoice | None = None
         if not self.defers_layout:
-            self._layout = self._choose_layout()
+            self._layouts = self._choose_layouts()
         elif self.tcfg.packing == "prefix":  # asked for: what can be refused without a probe is
             refused = prefix_refused_unprobed(self.model)
             if refused is not None:
@@ -100,14 +108,23 @@ class Actor:
         self.loss_fn = algo.resolve(
             self.acfg.policy_loss, algo.POLICY_LOSSES, kind="algo.policy_loss"
         )
+        self.correction = correction_settings(self.acfg.correction)
         kl = self.acfg.kl
-        self.ref = self._reference(model) if kl.coef > 0 else None
+        self.ref = self._reference(model) if settings.needs_reference else None
+        # algo.routing_replay: the policy's (and reference's) forwards replay the engine's routing
+        self.routing = install_routing(self.model) if self.acfg.routing_replay else None
+        if self.routing is not None and self.ref is not None:
+            install_routing(self.ref)
+        self.teacher = make_teacher(self)
         if kl.adaptive_target is not None:
             self.kl_ctl = algo.AdaptiveKLController(
                 kl.coef, kl.adaptive_target, kl.adaptive_horizon
             )
         else:
             self.kl_ctl = algo.FixedKLController(kl.coef)
+        self.fusion = apply_fusion(self.tcfg.fuse, self.model, self.device)
+        if self.ref is not None:  # a deep copy: uncompiled, and unfused if made before
+            apply_fusion(self.tcfg.fuse, self.ref, self.device, quiet=True)
         self.skipped_updates = 0
         self.skipped_steps = 0
         self.updates = 0
@@ -115,119 +132,68 @@ class Actor:
             self.acfg, self.advantage_fn, self.loss_fn, self.max_len, self.loss_options
         )
 
-    # -- data-parallel hooks: one process trains everything; weir.train.sharded_actor overrides them --
+    def _routes(self, batch: TrainBatch, idx: list[int]) -> Routes | None:
+        """The engine's recorded routing of rows `idx`, to replay (None: `algo.routing_replay` off)."""
+        if self.routing is None:
+            return None
+        seqs = [batch.samples[i].routed_experts for i in idx]
+        return Routes(seqs, self.routing.layers, self.routing.top_k)
 
-    def _precision(self, model: torch.nn.Module) -> Precision:
-        """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`
-        applied with autocast (a no-op when it is not narrower than the parameters)."""
-        p = next(model.parameters())
-        compute = Precision.from_config(self.tcfg, device=p.device).compute_dtype
-        if p.dtype == torch.bfloat16:
-            compute = torch.bfloat16
-        return Precision(p.device, p.dtype, compute)
-
-    @property
-    def layout(self) -> Layout:
-        """The micro-batch layout `train.packing` resolved to (`weir.train.packing.choose_layout`)."""
-        if self._layout is None:
-            self._layout = self._choose_layout()
-        return self._layout
-
-    def _choose_layout(self) -> Layout:
-        with self.precision.autocast():
-            return choose_layout(
-                self.model,
-                self.tcfg.packing,
-                shared_prompts=self.shares_prompts,
-                compute_dtype=self.precision.compute_dtype,
-            )
-
-    def _forward(self, model: torch.nn.Module, seqs, lens, **kwargs):
-        """Response log-probs of one micro-batch in the configured layout and compute dtype."""
-        with self.precision.autocast():
+    def _forward(
+        self, model: torch.nn.Module, seqs, lens, *, layout=None, temperature=None, **kwargs
+    ):
+        """Response log-probs of one micro-batch in the configured layout, compute dtype and
+        log-prob kernel (or `layout` and `temperature`: a distillation teacher's)."""
+        with self.precision.autocast(), logprob_kernel(self.tcfg.logprob_kernel):
             return response_logprobs(
                 model,
                 seqs,
                 lens,
-                layout=self.layout,
-                temperature=self.temperature,
+                layout=layout or self.layout,
+                temperature=self.temperature if temperature is None else temperature,
                 chunk_size=self.tcfg.logprob_chunk_tokens,
                 one_pass=self.prefix_one_pass,
                 **kwargs,
             )
-
-    def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The frozen reference policy for KL: a copy of the initial model."""
-        return copy.deepcopy(model).eval().requires_grad_(False)
-
-    def _micro_batches(
-        self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
-    ) -> list[list[int]]:
-        """The micro-batches (lists of row indices) this process runs for rows `indices`
-        (`lens`: every row's response length, which lets the `prefix` layout group shared prompts).
-
-        An empty list is a padding micro-batch: other ranks have more, and collectives must stay
-        in step (see `_idle_pass`).
-        """
-        mine = [seqs[i] for i in indices]
-        return [
-            [indices[j] for j in local]
-            for local in micro_batches(
-                [len(s) for s in mine],
-                self.tcfg.micro_batch_tokens,
-                self.layout,
-                sequences=mine,
-                response_lengths=None if lens is None else [lens[i] for i in indices],
-            )
-        ]
-
-    def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
-        """Run a padding micro-batch (a no-op for one process)."""
-
-    def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows computed here, zeros elsewhere -> the rows of every rank."""
-        return rows
-
-    def _settle(self) -> None:
-        """Put the parameters back in their resting state after forwards without a backward."""
-
-    def _all_finite(self, finite: bool) -> bool:
-        """Whether every rank's micro-batch was finite (so that all ranks restart a fused step
-        together, or none does)."""
-        return finite
-
-    def _reduce_metrics(
-        self, sums: dict[str, float], peaks: dict[str, float]
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """Per-process metric sums and maxima -> those of all ranks."""
-        return sums, peaks
 
     @property
     def needs_recompute(self) -> bool:
         return (
             self.acfg.old_logprobs == "recompute"
             or self.acfg.policy_loss == "decoupled_ppo"
-            or self.acfg.correction.mode != "none"
+            or self.correction["mode"] != "none"
         )
 
     @torch.no_grad()
-    def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def logprobs(
+        self,
+        model: torch.nn.Module,
+        batch: TrainBatch,
+        *,
+        temperature: float | None = None,
+        layout: Layout | None = None,
+        replay: bool = True,
+    ) -> torch.Tensor:
         """(B, T) log-probs of the batch's response tokens under `model`, without gradients, on the
-        trainer's device."""
+        trainer's device (`temperature`, `layout`: a distillation teacher's, else the policy's;
+        `replay`: the engine's recorded routing, with `algo.routing_replay`)."""
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens):
+        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens, layout):
             if not idx:
-                self._idle_pass(model, backward=False)
+                self._idle_pass(model, backward=False, layout=layout)
                 continue
             with span("logprobs", cat="train", sequences=len(idx)):
                 res = self._forward(
                     model,
                     [seqs[i] for i in idx],
                     [lens[i] for i in idx],
+                    layout=layout,
+                    temperature=temperature,
                     pad_to=out.shape[1],
                     visions=[vis[i] for i in idx],
+                    routes=self._routes(batch, idx) if replay else None,
                 )
             out[idx] = res.logprobs
         return self._combine_rows(out)
@@ -246,8 +212,8 @@ class Actor:
             self.fuses_old_logprobs
             and self.acfg.old_logprobs == "recompute"
             and self.acfg.policy_loss != "decoupled_ppo"
-            and self.acfg.correction.mode == "none"
-            and self.ref is None
+            and self.correction["mode"] == "none"
+            and self.acfg.kl.coef == 0
             and self.tcfg.epochs == 1
             and self.tcfg.mini_batches == 1
         )
@@ -275,6 +241,8 @@ class Actor:
     ) -> dict[str, float]:
         start = time.perf_counter()
         batch = batch.to(self.device)
+        budget = self.tcfg.micro_batch_tokens
+        self.layouts.pick(batch.sequences, batch.response_lengths, budget)
         stats: dict[str, float] = {}
         if fused:
             old = None
@@ -282,10 +250,22 @@ class Actor:
             old = self.logprobs(self.model, batch)
         else:
             old = batch.rollout_logprobs
-        ref = self.logprobs(self.ref, batch) if self.ref is not None else None
-        batch, old, ref, dropped = drop_nonfinite(batch, old, ref)
+        ref = self.logprobs(self.ref, batch) if self.acfg.kl.coef > 0 else None
+        teacher = None
+        if self.teacher is not None:
+            with span("teacher", cat="train"):
+                t0 = time.perf_counter()
+                teacher = self.teacher.logprobs(batch)
+                stats["time/teacher"] = time.perf_counter() - t0
+        batch, old, ref, teacher, dropped = drop_nonfinite(batch, old, ref, teacher)
         mask = batch.response_mask
         stats["train/nonfinite_logprob_samples"] = float(dropped)
+        if (
+            self.routing is not None
+        ):  # samples the engine recorded no routing for route by themselves
+            stats["routing/unrecorded_samples"] = float(
+                sum(s.routed_experts is None for s in batch.samples)
+            )
         if not mask.any():  # every sample had a non-finite log-prob: skip the step, counted
             self.skipped_steps += 1
             return {
@@ -295,9 +275,12 @@ class Actor:
             }
         if self.needs_recompute and not fused:
             stats.update(mismatch(old, batch))
+            stats.update(mismatch_spread(old, self._behavior(batch), batch))
         elif self.tcfg.mini_batches > 1:
             # later mini-batches are trained after earlier updates; measure every row before any
-            stats.update(mismatch(self.logprobs(self.model, batch), batch))
+            before = self.logprobs(self.model, batch)
+            stats.update(mismatch(before, batch))
+            stats.update(mismatch_spread(before, self._behavior(batch), batch))
         if self.acfg.loss_agg == "seq-mean-token-sum-norm" and not self._warned_max_len:
             self._warned_max_len = warn_over_max_len(mask, self.max_len)
         token_rewards, weights = None, None
@@ -311,11 +294,8 @@ class Actor:
                 )
                 self.kl_ctl.update(stats["kl/ref"], len(batch))
                 stats["kl/coef"] = self.kl_ctl.value
-        if self.acfg.correction.mode != "none":
-            c = self.acfg.correction
-            corr = algo.rollout_correction(
-                old, self._behavior(batch), mask, mode=c.mode, cap=c.cap, low=c.low, high=c.high
-            )
+        if self.correction["mode"] != "none":
+            corr = algo.rollout_correction(old, self._behavior(batch), mask, **self.correction)
             weights, mask = corr.weights, corr.mask
             stats.update({f"correction/{k}": v for k, v in corr.metrics.items()})
             if not mask.any():  # the correction rejected every token: nothing to learn from
@@ -346,9 +326,16 @@ class Actor:
         stats.update({f"adv/{k}": v for k, v in adv.metrics.items()})
         if adv.mask is not None:
             mask = adv.mask  # samples with non-finite rewards are excluded
-        dead = self._dead_rows(mask, adv.advantages)
+        advantages = adv.advantages
+        if teacher is not None:
+            advantages, distill_stats = distill_advantages(
+                self.acfg.distill, advantages, self._behavior(batch), teacher, mask
+            )
+            stats.update(distill_stats)
+        dead_rows = self._dead_rows(mask, advantages)
+        dead = None if dead_rows is None else dead_rows.tolist()  # one read, not one per row
         if dead is not None:
-            stats["train/dead_rows"] = float(dead.float().mean())
+            stats["train/dead_rows"] = sum(dead) / max(len(dead), 1)
         if critic is not None:
             frozen = critic.actor_frozen
             stats.update(critic.train(batch, values["values"], adv.returns, mask))
@@ -360,6 +347,9 @@ class Actor:
         peaks: dict[str, float] = {}
         n_tokens = 0.0
         self._mismatch_sums = [0.0, 0.0, 0.0]  # |engine - trainer|, tokens, k3 (fused only)
+        self._step_teacher = teacher if self.acfg.distill.mode == "loss" else None
+        self._first_logp = torch.zeros_like(batch.rollout_logprobs)  # the first forward's rows
+        self._first_rows = torch.zeros(len(batch), device=self.device)
         for epoch in range(self.tcfg.epochs):
             order = torch.randperm(
                 len(batch), generator=torch.Generator().manual_seed(self.updates + epoch)
@@ -373,7 +363,7 @@ class Actor:
                     mask,
                     old,
                     ref,
-                    adv.advantages,
+                    advantages,
                     weights,
                     first=first,
                     dead=dead,
@@ -394,6 +384,9 @@ class Actor:
             stats["mismatch/abs_logp_diff"] = totals["diff"] / totals["tokens"]
             if fused:
                 stats["mismatch/kl"] = self._mismatch_sums[2] / totals["tokens"]
+            rows = self._combine_rows(self._first_rows)
+            first = self._combine_rows(self._first_logp)
+            stats.update(mismatch_spread(first, self._behavior(batch), batch, rows > 0))
         finite = [g for g in grad_norms if math.isfinite(g)]
         stats["train/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         stats["train/skipped_updates"] = float(self.skipped_updates)
@@ -409,9 +402,28 @@ class Actor:
     def _update(
         self, batch, mb, mask, old, ref, advantages, weights, *, first: bool, dead
     ) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step. `dead`: the
-        step's rows that cannot move the weights (`_dead_rows`)."""
-        num_tokens = float(mask[mb].sum().item())
+        """Accumulate gradients over the micro-batches of mini-batch `mb`, then step. `dead`: per
+        row of the step, whether it cannot move the weights (`_dead_rows`), or None.
+
+        The device is read twice per update, whatever the number of micro-batches: the
+        mini-batch's counts before it, and the gradient norm with every micro-batch's metrics
+        and finiteness (`weir.train.step_checks.MicroBatchRecords`) after it."""
+        live = [i for i in mb if dead is None or not dead[i]]
+        # the dead rows' forwards come first: a forward without a backward leaves an FSDP2 root
+        # module unsharded, and gradients accumulated before it would miss the sharded parameters
+        # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
+        rest = [i for i in mb if dead is not None and dead[i]]
+        if self.tcfg.dead_rows == "skip" and live:
+            # the loss's normalisers still count their tokens and rows; a step of dead rows only
+            # runs their forward, so that every step has its metrics (mismatch, entropy)
+            rest = []
+        rows = to_device(torch.tensor(mb), mask.device)
+        ran = to_device(torch.tensor(live + rest), mask.device)
+        m = mask.index_select(0, rows)
+        counts = torch.stack(
+            [m.sum().float(), m.any(1).sum().float(), mask.index_select(0, ran).sum().float()]
+        )
+        num_tokens, num_seqs, metric_tokens = counts.tolist()
         sums: dict[str, float] = defaultdict(float)
         peaks: dict[str, float] = {}
         if num_tokens == 0:  # every token of this mini-batch was masked out: no update
@@ -419,18 +431,24 @@ class Actor:
             self.updates += 1
             return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
         self.optimizer.zero_grad(set_to_none=True)
+        step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, num_tokens, num_seqs)
+        step.records = MicroBatchRecords(metric_tokens)
         with grad_mode(self.model, self.tcfg.gradient_checkpointing):
-            self._accumulate(
-                batch, mb, mask, old, ref, advantages, weights, first, sums, peaks, dead
-            )
-        sums, peaks = self._reduce_metrics(sums, peaks)
+            self._accumulate(step, live, rest)
+        finite = self._all_finite(step.records.finite())
         with span("optimizer", cat="train"):
             params = [p for p in self.model.parameters() if p.grad is not None]
             clip = self.tcfg.grad_clip if self.tcfg.grad_clip is not None else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
             if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm
                 norm = norm.full_tensor()
-            norm = norm.item()
+            norm, all_finite = step.records.read(norm, finite)  # the one read of the update
+            # a fused step that met a non-finite log-prob restarts (on every rank together: the
+            # flag was reduced over the ranks); nothing was stepped yet
+            if old is None and not all_finite:
+                raise _NonFiniteOld
+            step.records.add_to(sums, peaks, self._mismatch_sums)
+            sums, peaks = self._reduce_metrics(sums, peaks)
             if math.isfinite(norm):
                 self.optimizer.step()
             else:
@@ -440,52 +458,36 @@ class Actor:
         self.updates += 1
         return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 
-    def _accumulate(
-        self, batch, mb, mask, old, ref, advantages, weights, first, sums, peaks, dead
-    ) -> None:
-        """Forward and backward over the micro-batches of mini-batch `mb`, adding up metrics."""
-        seqs, lens = batch.sequences, batch.response_lengths
-        step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, sums, peaks)
-        step.num_tokens = float(mask[mb].sum().item())
-        step.num_seqs = float(mask[mb].any(1).sum().item())
-        live = [i for i in mb if dead is None or not dead[i]]
-        # the dead rows' forwards come first: a forward without a backward leaves an FSDP2 root
-        # module unsharded, and gradients accumulated before it would miss the sharded parameters
-        # the optimizer steps (seen: 2 of 46 tensors); the gradient micro-batches then reshard it
-        rest = [i for i in mb if dead is not None and dead[i]]
-        if self.tcfg.dead_rows == "skip" and live:
-            # the loss's normalisers above still count their tokens and rows; a step of dead rows
-            # only runs their forward, so that every step has its metrics (mismatch, entropy)
-            rest = []
-        step.metric_tokens = float(mask[live + rest].sum().item())
+    def _accumulate(self, step: _MiniBatch, live: list[int], rest: list[int]) -> None:
+        """Forward and backward over the micro-batches of rows `live` (and forwards only over
+        `rest`, the dead rows whose metrics are wanted), recording their metrics."""
+        seqs, lens = step.batch.sequences, step.batch.response_lengths
         runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
         if live:
             runs += [(idx, True) for idx in self._micro_batches(live, seqs, lens)]
         for idx, grad in runs:
-            finite = True
             if idx:
-                finite = self._micro_step(step, idx, grad)
+                self._micro_step(step, idx, grad)
             else:
                 self._idle_pass(self.model, backward=grad)
-            # a fused step that met a non-finite log-prob restarts on every rank together; the
-            # check follows the micro-batch's backward, so every rank's collectives run in the
-            # same order (forward, backward, this all-reduce)
-            if old is None and not self._all_finite(finite):
-                raise _NonFiniteOld
         if not live:  # a zero gradient, on which AdamW still steps (its moments decay)
             self._settle()
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
 
-    def _micro_step(self, step: _MiniBatch, idx: list[int], grad: bool) -> bool:
-        """Forward micro-batch `idx` (and backward, with `grad`), adding up its metrics; False
-        when its log-probs were not finite."""
-        batch, mask, old, ref = step.batch, step.mask, step.old, step.ref
-        advantages, weights, sums, peaks = step.advantages, step.weights, step.sums, step.peaks
-        num_tokens, num_seqs = step.num_tokens, step.num_seqs
+    def _micro_step(self, step: _MiniBatch, idx: list[int], grad: bool) -> None:
+        """Forward micro-batch `idx` (and backward, with `grad`), recording its metrics and
+        whether its log-probs were finite, without reading the device.
+
+        A non-finite log-prob on a trained token poisons the backward (a NaN times the
+        log-probs' sum joins the loss), so that the gradient norm is NaN on every rank
+        (collectives stay in step) and `_update` skips the update and counts it in
+        train/skipped_updates, instead of a check stopping the run; its metrics are left out."""
+        batch, old, ref = step.batch, step.old, step.ref
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        width = mask.shape[1]
+        rows = to_device(torch.tensor(idx), step.mask.device)
+        pick = lambda x: x.index_select(0, rows)  # noqa: E731
         with span("forward", cat="train", sequences=len(idx)), torch.set_grad_enabled(grad):
             out = self._forward(
                 self.model,
@@ -493,59 +495,63 @@ class Actor:
                 [lens[i] for i in idx],
                 with_entropy=True,
                 entropy_grad=self.acfg.entropy_coef != 0,
-                pad_to=width,
+                pad_to=step.mask.shape[1],
                 visions=[vis[i] for i in idx],
+                routes=self._routes(batch, idx),
             )
-        m = mask[idx]
-        finite = finite_forward(out, m)
-        if not grad and not finite:
-            return False  # no gradient from these rows: an overflow in them cannot reach it
-        if not finite:
-            # an overflow in this forward: backward a NaN loss, so that the gradient norm is
-            # NaN on every rank (collectives stay in step) and `_update` skips this update
-            # and counts it in train/skipped_updates, instead of a check stopping the run
-            with span("backward", cat="train"):
-                (out.logprobs.nan_to_num().sum() * float("nan")).backward()
-            return False
-        old_mb = out.logprobs.detach() if old is None else old[idx]
+        m = pick(step.mask)
+        finite = finite_flag(out, m)
+        old_mb = out.logprobs.detach() if old is None else pick(old)
         kl_in_loss = ref is not None and not self.acfg.kl.as_reward
-        loss, pg = algo.compute_policy_loss(
+        loss, pg = algo.policy_loss_terms(
             self.loss_fn,
             out.logprobs,
             old_mb,
-            advantages[idx],
-            m,
+            pick(step.advantages),
+            m > 0,
             agg=self.acfg.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
+            num_tokens=step.num_tokens,
+            num_seqs=step.num_seqs,
             max_len=self.max_len,
-            behavior_logp=self._behavior(batch)[idx]
+            behavior_logp=pick(self._behavior(batch))
             if self.acfg.policy_loss == "decoupled_ppo"
             else None,
-            weights=None if weights is None else weights[idx],
-            ref_logp=ref[idx] if kl_in_loss else None,
+            weights=None if step.weights is None else pick(step.weights),
+            ref_logp=pick(ref) if kl_in_loss else None,
             kl_coef=self.kl_ctl.value if kl_in_loss else 0.0,
             kl_kind=self.acfg.kl.estimator,
             entropy=out.entropy,
             entropy_coef=self.acfg.entropy_coef,
             **self.loss_options,
         )
+        if self._step_teacher is not None:  # algo.distill.mode=loss: the reverse KL as a term
+            loss = loss + distill_loss(
+                self.acfg.distill,
+                out.logprobs,
+                pick(self._step_teacher),
+                m,
+                agg=self.acfg.loss_agg,
+                num_tokens=step.num_tokens,
+                num_seqs=step.num_seqs,
+                max_len=self.max_len,
+            )
         if grad:
+            poison = torch.where(finite, 0.0, float("nan"))
             with span("backward", cat="train"):
-                loss.backward()
-        share = float(m.sum().item()) / max(step.metric_tokens, 1.0)
-        add_loss_metrics(sums, peaks, loss.item(), pg, share)
+                (loss + poison * out.logprobs.nan_to_num().sum()).backward()
+        mismatch = None
         if step.first and (old is None or not self.needs_recompute):
-            trained = batch.response_mask[idx] if old is None else m
-            policy = trained * (batch.versions[idx] >= 0)
-            behaviour = batch.rollout_logprobs[idx]
-            diff = (out.logprobs.detach() - behaviour) * policy
-            self._mismatch_sums[0] += diff.abs().sum().item()
-            self._mismatch_sums[1] += policy.sum().item()
-            if old is None:  # the k3 KL that `_mismatch` reports for a separate pass
-                k3 = algo.kl_penalty(behaviour, out.logprobs.detach(), "k3") * policy
-                self._mismatch_sums[2] += k3.sum().item()
-        return True
+            trained = pick(batch.response_mask) if old is None else m
+            policy = trained * (pick(batch.versions) >= 0)
+            behaviour = pick(batch.rollout_logprobs)
+            logp = out.logprobs.detach()
+            mismatch = [((logp - behaviour) * policy).abs().sum(), policy.sum()]
+            if old is None:  # the k3 KL that `mismatch` reports for a separate pass
+                mismatch.append((algo.kl_penalty(behaviour, logp, "k3") * policy).sum())
+            # the first forward's log-probs, for the ratios' spread (`mismatch_spread`)
+            self._first_logp.index_copy_(0, rows, logp.to(self._first_logp.dtype))
+            self._first_rows.index_fill_(0, rows, 1.0)
+        step.records.add(finite, loss, pg, mismatch)
 
     def _dead_rows(self, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
         """(B,) True for rows whose gradient is exactly zero, or None when that cannot be known.
@@ -560,7 +566,8 @@ class Actor:
         if (
             not self.skips_dead_backward
             or self.acfg.entropy_coef != 0
-            or (self.ref is not None and not self.acfg.kl.as_reward)
+            or (self.acfg.kl.coef > 0 and not self.acfg.kl.as_reward)
+            or (self.teacher is not None and self.acfg.distill.mode == "loss")
             or not isinstance(self.acfg.policy_loss, str)
             or self.acfg.policy_loss not in algo.POLICY_LOSSES
         ):
@@ -599,7 +606,7 @@ class Actor:
 
 @dataclass
 class _MiniBatch:
-    """What every micro-batch of one mini-batch's update reads, and the metric sums it adds to."""
+    """What every micro-batch of one mini-batch's update reads, and where it records metrics."""
 
     batch: TrainBatch
     mask: torch.Tensor
@@ -608,12 +615,9 @@ class _MiniBatch:
     advantages: torch.Tensor
     weights: torch.Tensor | None
     first: bool
-    sums: dict[str, float]
-    peaks: dict[str, float]
-    num_tokens: float = 0.0
-    num_seqs: float = 0.0
-    metric_tokens: float = 0.0
-    """Trained tokens of the rows whose forward runs: the weights of per-token metric means."""
+    num_tokens: float
+    num_seqs: float
+    records: MicroBatchRecords | None = None
 
 
 class _NonFiniteOld(Exception):

@@ -11,7 +11,7 @@ import torch
 
 from weir import algo
 from weir.config import Config
-from weir.config.schema import AlgoConfig, TrainConfig
+from weir.config.schema import AlgoConfig, CorrectionConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,14 @@ class ActorSettings:
     temperature: float = 1.0
     total_steps: int = 1
     max_response_tokens: int = 256
+    teacher: str | None = None
+    """`algo.distill.teacher` with a `tiny:` model resolved to its directory (`weir.train.teacher`)."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the actor keeps a frozen copy of the initial policy: for the KL term, or as the
+        distillation teacher."""
+        return self.algo.kl.coef > 0 or self.teacher == "reference"
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorSettings:
@@ -45,6 +53,7 @@ class ActorSettings:
             temperature=cfg.rollout.temperature or 1.0,
             total_steps=max(1, policy_steps(cfg) * cfg.train.mini_batches * cfg.train.epochs),
             max_response_tokens=longest,
+            teacher=cfg.algo.distill.teacher,
         )
 
 
@@ -87,3 +96,17 @@ def check_algo_options(
         behavior_logp=probe if acfg.policy_loss == "decoupled_ppo" else None,
         **loss_options,
     )
+
+
+CORRECTION_KEYS = ("mode", "cap", "low", "high", "seq_ratio")
+
+
+def correction_settings(c: CorrectionConfig) -> dict[str, Any]:
+    """`algo.correction` as `weir.algo.rollout_correction`'s keyword arguments: the section's values,
+    overridden by its preset's (`weir.algo.correction_presets`), overridden in turn by the keys the
+    user set explicitly."""
+    out = {k: getattr(c, k) for k in CORRECTION_KEYS}
+    if c.preset is not None:
+        out.update(algo.preset_settings(c.preset))
+        out.update({k: getattr(c, k) for k in CORRECTION_KEYS if k in c.model_fields_set})
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -45,16 +46,18 @@ class TrainBatch:
         """The behaviour policy's log-probs: under the distribution each token was drawn from."""
         return self.rollout_logprobs if self.behavior_logprobs is None else self.behavior_logprobs
 
-    @property
+    # computed once per batch (a step reads them in every micro-batch): `samples` is not changed
+    # after the batch is made, and `to` / `dataclasses.replace` make a new batch
+    @functools.cached_property
     def sequences(self) -> list[list[int]]:
         return [s.prompt_ids + s.response_ids for s in self.samples]
 
-    @property
+    @functools.cached_property
     def visions(self) -> list[VisionInputs | None]:
         """Each sample's pixel inputs (None for a prompt without images)."""
         return [s.vision for s in self.samples]
 
-    @property
+    @functools.cached_property
     def response_lengths(self) -> list[int]:
         return [len(s.response_ids) for s in self.samples]
 

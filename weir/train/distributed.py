@@ -152,6 +152,8 @@ class TrainerRank:
             rank=self.rank,
             world_size=self.world,
         )
+        # NCCL builds its communicator at the first collective: here, not in the first step
+        dist.barrier()
         torch.manual_seed(self.settings.seed)
         dtype = precision.param_dtype
         paths = dict(self.settings.roles) or {"": self.model_path}

@@ -1,7 +1,9 @@
-"""Loading Hugging Face causal LMs (local directory, hub name, or weir's `tiny:<size>`) and saving them."""
+"""Loading Hugging Face causal LMs (local directory, hub name, GGUF file, `fetch:<name>`, or weir's
+`tiny:<size>`) and saving them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,17 @@ def resolve_model_path(
 ) -> str:
     """Return a loadable path; `tiny:<size>` builds weir's tiny model under `build_dir` once, and
     `tiny-vlm:<size>` weir's tiny vision-language model (Qwen2.5-VL architecture;
-    `tiny-vlm:<size>:qwen3_vl` the same at Qwen3-VL's)."""
+    `tiny-vlm:<size>:qwen3_vl` the same at Qwen3-VL's); a ``.gguf`` file is converted once into a
+    cached HF directory (`weir.train.gguf`), and ``fetch:<name>`` fetches a named real model
+    (`weir.train.fetch`, e.g. ``fetch:smollm2-135m-instruct``) into the cache on first use."""
+    if path.startswith("fetch:"):
+        from weir.train.fetch import fetch
+
+        return str(fetch(path.removeprefix("fetch:"), log=_say))
+    if path.lower().endswith(".gguf"):
+        from weir.train.gguf import gguf_model_dir
+
+        return str(gguf_model_dir(path, log=_say))
     if path.startswith("tiny-vlm:"):
         from weir.tasks.tiny_vlm import build_tiny_vlm
 
@@ -49,6 +61,10 @@ def resolve_model_path(
     if not (out / "config.json").exists():
         build_tiny_model(out, size=size, arch=arch, seed=seed)
     return str(out)
+
+
+def _say(message: str) -> None:
+    print(f"weir: {message}", file=sys.stderr, flush=True)
 
 
 def load_model(

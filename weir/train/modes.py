@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+from weir.data.moe_routing import checkpoint_context
+
 __all__ = ["prepare_for_training", "grad_mode"]
 
 
@@ -41,7 +43,8 @@ def prepare_for_training(model: torch.nn.Module, *, checkpointing: bool) -> torc
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
-    kwargs = {"use_reentrant": False}
+    # context_fn: a recomputed MoE layer replays the routing its forward replayed (moe_routing)
+    kwargs = {"use_reentrant": False, "context_fn": checkpoint_context}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -76,6 +76,78 @@ def move_optimizer_state(
     return moved
 
 
+class StateMover:
+    """Moves an optimizer's state between the device and pinned host memory on a CUDA stream of
+    its own, so that the copies overlap the step's compute instead of preceding or following it:
+
+    - `to_device` (before a step) issues the copies and returns; the optimizer's next `step`
+      makes the compute stream wait for them first (a step pre-hook): the forward and backward,
+      which do not read the state, run meanwhile;
+    - `to_host` (after a step) issues the copies back once the step's work is done, and returns;
+      the weight sync runs meanwhile, and `wait` (or any `move_trainer` with `pinned`, which
+      synchronises the device) completes them before host memory is read or the device's memory
+      is handed to the engine.
+
+    Each device tensor is recorded on the stream that uses it last, so the caching allocator
+    reuses its memory only after that stream's work. Without CUDA (or without pinned memory,
+    whose copies wait anyway) it moves the state at once, as `move_optimizer_state` does."""
+
+    def __init__(self, device: torch.device, *, pinned: bool) -> None:
+        cuda = device.type == "cuda" and pinned and torch.cuda.is_available()
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self._hook = None
+
+    def to_device(self, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+        """Issue the moves of the state to `device`; returns the bytes moved."""
+        if self.stream is None:
+            return move_optimizer_state(optimizer, device)
+        main = torch.cuda.current_stream(device)
+        self.stream.wait_stream(main)
+        moved = 0
+        with torch.cuda.stream(self.stream):
+            for state, key, value in list(_state_tensors(optimizer)):
+                if value.device != device:
+                    new = value.to(device, non_blocking=True)
+                    _local(new).record_stream(main)  # the optimizer reads it on `main`
+                    state[key] = new
+                    moved += _nbytes(value)
+        self._remove_hook()
+        self._hook = optimizer.register_step_pre_hook(self._before_step)
+        return moved
+
+    def to_host(self, optimizer: torch.optim.Optimizer) -> int:
+        """Issue the moves of the state to pinned host memory, after the work queued so far;
+        returns the bytes moved (complete after `wait`)."""
+        if self.stream is None:
+            return move_optimizer_state(optimizer, torch.device("cpu"))
+        self._remove_hook()
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        moved = 0
+        with torch.cuda.stream(self.stream):
+            for state, key, value in list(_state_tensors(optimizer)):
+                if value.device.type != "cpu":
+                    _local(value).record_stream(self.stream)  # read by the copy on this stream
+                    state[key] = value.to("cpu", non_blocking=True)
+                    moved += _nbytes(value)
+        return moved
+
+    def wait(self) -> None:
+        """Block until every move issued so far is complete."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._remove_hook()
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        assert self.stream is not None
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self._remove_hook()
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
 def _mover(device: torch.device, non_blocking: bool):
     """The per-tensor function of `module.to(device, non_blocking=...)`, except that a copy to the
     host has landed when it returns (module docstring)."""

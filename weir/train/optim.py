@@ -16,10 +16,29 @@ def make_optimizer(
     weight_decay: float,
     offload: bool = False,
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; `offload` keeps its state on the CPU (OffloadedAdamW)."""
+    """AdamW over the trainable parameters; `offload` keeps its state on the CPU (OffloadedAdamW).
+
+    Where every trainable parameter is a floating CUDA tensor (an FSDP2 DTensor whose shard is
+    on CUDA counts), the fused kernel (`fused=True`: the whole update of all parameters in one
+    pass, where foreach runs several multi-tensor kernels); elsewhere torch's default (foreach on
+    CUDA, a loop on the CPU). Both compute the same update up to float rounding."""
     trainable = [p for p in params if p.requires_grad]
-    cls = OffloadedAdamW if offload else torch.optim.AdamW
-    return cls(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
+    if offload:
+        return OffloadedAdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
+    kwargs = {"fused": True} if fusable(trainable) else {}
+    return torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay, **kwargs)
+
+
+def fusable(params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW takes `params`: all floating point, all on CUDA (a DTensor by
+    its local shard: FSDP2 with CPU offload keeps shards on the host)."""
+
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    return bool(params) and all(
+        p.is_floating_point() and local(p).device.type == "cuda" for p in params
+    )
 
 
 class OffloadedAdamW(torch.optim.AdamW):

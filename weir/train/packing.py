@@ -9,6 +9,10 @@ Two exact layouts of the same sequences:
 - `padded`: one left-padded row per sequence, micro-batches of similar lengths (sorted by length,
   the budget counting padded tokens), so SDPA runs per sequence with almost no padding.
 
+- `varlen`: the `packed` row without a mask: each sequence attends only to itself through a
+  variable-length attention kernel (`weir.train.varlen`: torch's FlashAttention-2 on a GPU, SDPA
+  per sequence elsewhere), fed cumulative sequence offsets. No padding, no (L, L) mask, and the LM
+  head runs on the response positions only.
 - `prefix`: the sequences that share a prompt (the `n` samples of a GRPO group) run it once. A
   prompt pass over the distinct prompts (left-padded) builds their KV cache, the cache rows are
   gathered to one per sequence, and a response pass runs the responses (right-padded) on top of it.
@@ -20,8 +24,9 @@ Two exact layouts of the same sequences:
 The `prefix` pass itself is `weir.train.prefix_pass`; what every layout shares (the output, the
 per-token statistics, padded rows) is `weir.train.response_rows`.
 
-`auto` takes `packed` where the attention backend has a variable-length kernel; otherwise `prefix`
-where the caller's sequences share prompts and a probe on the model shows it exact, else `padded`.
+`choose_layout` resolves `train.packing` to one layout; `exact_layouts` lists the layouts that run a
+model exactly, among which the RL actor picks the cheapest for each step's lengths
+(`weir.train.layout_cost`).
 
 A vision-language model gets each sequence's pixel inputs (`visions`) and its multimodal rotary
 positions from `weir.data.vision_model`, the same inputs the engine's prefill builds.
@@ -39,15 +44,25 @@ from typing import Literal
 import torch
 
 from weir.config.devices import rounding_tolerance
+from weir.data.moe_routing import Routes, replaying
 from weir.data.vision import VisionInputs
 from weir.data.vision_model import vision_model
+from weir.hf_compat import is_checkpointing
 from weir.train.precision import compute_device
 from weir.train.prefix_pass import prefix_response_logprobs
-from weir.train.response_rows import PackedOutput, left_pad, response_rows, token_stats
+from weir.train.response_rows import (
+    PackedOutput,
+    left_pad,
+    response_rows,
+    to_device,
+    token_stats,
+)
+from weir.train.varlen import install as install_varlen
+from weir.train.varlen import varlen_inputs, varlen_refusal
 
 log = logging.getLogger(__name__)
 
-Layout = Literal["packed", "padded", "prefix"]
+Layout = Literal["packed", "padded", "prefix", "varlen"]
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
@@ -144,7 +159,7 @@ def micro_batches(
     `prefix` groups the sequences by prompt when it is given `sequences` and `response_lengths`;
     without them it buckets by length as `padded` does (the prefix forward is exact on any subset).
     """
-    if layout == "packed":
+    if layout in ("packed", "varlen"):
         return pack_by_tokens(lengths, budget)
     if layout == "prefix" and sequences is not None and response_lengths is not None:
         return prefix_micro_batches(sequences, response_lengths, budget)
@@ -158,33 +173,70 @@ def choose_layout(
     shared_prompts: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> Layout:
-    """Resolve `train.packing` for `model`.
+    """Resolve `train.packing` for `model` to one layout (the first of `exact_layouts`).
 
-    `auto`: `packed` with a variable-length attention kernel; else, for a caller whose sequences
-    share prompts (`shared_prompts`: the RL actor), `prefix` when `prefix_supported` says the model
-    runs it exactly (in `compute_dtype`, the dtype the forward computes in); else `padded`. The
-    choice and its reason are logged.
+    `auto`: `packed` with a FlashAttention backend; else, for a caller whose sequences share
+    prompts (`shared_prompts`: the RL actor), `prefix` when `prefix_supported` says the model runs
+    it exactly (in `compute_dtype`, the dtype the forward computes in); else `padded`. A layout
+    asked for by name that cannot run exactly is refused with a one-line error.
+    """
+    return exact_layouts(
+        model, packing, shared_prompts=shared_prompts, compute_dtype=compute_dtype
+    )[0]
+
+
+def exact_layouts(
+    model: torch.nn.Module,
+    packing: str,
+    *,
+    shared_prompts: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    with_varlen: bool = False,
+) -> list[Layout]:
+    """The layouts that compute `model`'s own numbers, the static choice first.
+
+    A layout named by `packing` is the only one (refused with a one-line error where it cannot
+    run exactly). `auto`: `packed` with a FlashAttention backend, else `prefix` where the caller's
+    sequences share prompts and its probe passes, then `varlen` where `with_varlen` (a caller that
+    picks among them by cost, `weir.train.layout_cost`) and its probe passes, and `padded` always.
+    The candidates and the reasons are logged.
     """
     if packing == "prefix":  # asked for: refused up front where it would compute other numbers
         ok, reason = prefix_supported(model, compute_dtype)
         if not ok:
             raise prefix_refusal(reason)
-        return "prefix"
+        return ["prefix"]
+    if packing == "varlen":
+        ok, reason = varlen_supported(model, compute_dtype)
+        if not ok:
+            raise ValueError(f"train.packing=varlen: {reason}; set train.packing=auto or padded")
+        return ["varlen"]
     if packing in ("packed", "padded"):
-        return packing  # type: ignore[return-value]
+        return [packing]  # type: ignore[list-item]
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
     if attn in VARLEN_ATTENTION:
-        layout: Layout = "packed"
-        why = f"attention {attn} has a variable-length kernel"
-    elif shared_prompts:
+        log.info("train.packing=auto: packed micro-batches (attention %s is variable-length)", attn)
+        return ["packed", "padded"]
+    layouts: list[Layout] = []
+    why = [f"attention {attn} has no variable-length kernel of its own"]
+    if shared_prompts:
         ok, reason = prefix_supported(model, compute_dtype)
-        layout = "prefix" if ok else "padded"
-        why = f"attention {attn} has no variable-length kernel; shared prompts: {reason}"
+        layouts += ["prefix"] if ok else []
+        why.append(f"shared prompts: {reason}")
+    if with_varlen:
+        ok, reason = varlen_supported(model, compute_dtype)
+        layouts += ["varlen"] if ok else []
+        why.append(reason)
+    layouts.append("padded")
+    if len(layouts) == 1 or not with_varlen:
+        log.info("train.packing=auto: %s micro-batches (%s)", layouts[0], "; ".join(why))
     else:
-        layout = "padded"
-        why = f"attention {attn} has no variable-length kernel"
-    log.info("train.packing=auto: %s micro-batches (%s)", layout, why)
-    return layout
+        log.info(
+            "train.packing=auto: the cheapest of %s for each step's lengths (%s)",
+            ", ".join(layouts),
+            "; ".join(why),
+        )
+    return layouts
 
 
 def response_logprobs(
@@ -200,11 +252,14 @@ def response_logprobs(
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
     one_pass: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """Log-probs (and entropy) of the last `response_lengths[i]` tokens of each sequence.
 
     `one_pass` (the `prefix` layout on FSDP ranks): exactly two root forwards per call, so that
-    every rank's collectives stay in step (see `prefix_response_logprobs`).
+    every rank's collectives stay in step (see `prefix_response_logprobs`). `routes`: the
+    engine's recorded routing of each sequence, replayed in every forward (an MoE model with
+    `algo.routing_replay`; `weir.data.moe_routing`).
 
     logp_t = log_softmax(z_{t-1} / T)[x_t], computed only at response positions; both layouts give
     the same numbers (up to the summation order of the attention kernels).
@@ -223,19 +278,21 @@ def response_logprobs(
                 pad_to=pad_to,
                 chunk_size=chunk_size,
                 one_pass=one_pass,
+                routes=routes,
             )
-    fn = {"packed": packed_response_logprobs, "padded": padded_response_logprobs}[layout]
-    return fn(
-        model,
-        sequences,
-        response_lengths,
+    options = dict(
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         pad_to=pad_to,
         chunk_size=chunk_size,
         visions=visions,
+        routes=routes,
     )
+    if layout == "padded":
+        return padded_response_logprobs(model, sequences, response_lengths, **options)
+    varlen = layout == "varlen"
+    return packed_response_logprobs(model, sequences, response_lengths, varlen=varlen, **options)
 
 
 def pack(
@@ -265,17 +322,28 @@ def packed_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    varlen: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
-    """The `packed` layout: one row, position ids restarting per sequence (see the module docstring)."""
+    """The `packed` layout: one row, position ids restarting per sequence (see the module
+    docstring); with `varlen`, the `varlen` layout: the same row through the variable-length
+    attention of `weir.train.varlen` (no mask)."""
     device = compute_device(model)
     flat, positions, keep = pack(sequences, response_lengths)
-    input_ids = torch.tensor([flat], device=device)
-    extra = {"position_ids": torch.tensor([positions], device=device)}
+    input_ids = to_device(torch.tensor([flat]), device)
+    extra: dict = {"position_ids": to_device(torch.tensor([positions]), device)}
     vm = vision_model(model)
     if vm is not None:  # even without images: the 1-D text positions keep the sequences apart
         extra = vm.packed_inputs(sequences, visions or [None] * len(sequences))
-    keep_idx = torch.tensor(keep, device=device)
-    out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
+    elif varlen:
+        install_varlen()
+        extra.update(varlen_inputs([len(s) for s in sequences], device))
+    keep_idx = to_device(torch.tensor(keep), device)
+    replay = None
+    if routes is not None:
+        replay = torch.cat([routes.span(i, 0, len(s)) for i, s in enumerate(sequences)])
+    with replaying(None if replay is None else to_device(replay, device)):
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep_idx, **extra)
     logp, ent = token_stats(
         out.logits[0],
         input_ids[0, keep_idx + 1],
@@ -301,6 +369,7 @@ def padded_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     visions: list[VisionInputs | None] | None = None,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `padded` layout: one left-padded row per sequence.
 
@@ -313,20 +382,24 @@ def padded_response_logprobs(
     b, width = len(sequences), max(len(s) for s in sequences)
     r = max(response_lengths)
     ids, attn, positions = left_pad(sequences)
-    ids, attn = ids.to(device), attn.to(device)
-    extra = {"position_ids": positions.to(device)}
+    ids, attn = to_device(ids, device), to_device(attn, device)
+    extra = {"position_ids": to_device(positions, device)}
     if visions is not None and any(v is not None for v in visions):
         vm = vision_model(model)
         if vm is None:
             raise ValueError("sequences with images for a text-only model")
         extra, _ = vm.padded_inputs(sequences, visions, width)
-    out = model(
-        input_ids=ids,
-        attention_mask=attn,
-        use_cache=False,
-        logits_to_keep=r + 1,
-        **extra,
-    )
+    replay = None
+    if routes is not None:
+        replay = routes.left_padded([len(s) for s in sequences], width).to(device)
+    with replaying(replay):
+        out = model(
+            input_ids=ids,
+            attention_mask=attn,
+            use_cache=False,
+            logits_to_keep=r + 1,
+            **extra,
+        )
     logits = out.logits  # (b, r + 1, V): positions width - r - 1 ... width - 1
     targets = torch.cat([ids[:, width - r :], torch.zeros_like(ids[:, :1])], dim=1)
     logp, ent = token_stats(
@@ -337,7 +410,7 @@ def padded_response_logprobs(
         entropy_grad=entropy_grad,
         chunk_size=chunk_size,
     )
-    lengths = torch.tensor(response_lengths, device=device)
+    lengths = to_device(torch.tensor(response_lengths), device)
     col = torch.arange(r, device=device)
     # row i's response is predicted by columns r - n_i ... r - 1; move it to columns 0 ... n_i - 1
     src = (r - lengths[:, None] + col[None]).clamp(max=r - 1)
@@ -364,12 +437,7 @@ def prefix_refused_unprobed(model: torch.nn.Module) -> str | None:
     if vision_model(model) is not None:
         return "a vision-language model's prompts carry pixels (their KV is not shared)"
     cfg = getattr(model, "config", None)
-    name = (
-        "is_activation_checkpointing"
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    if getattr(model, name, False):
+    if is_checkpointing(model):
         return "prefix off: gradient checkpointing drops the prompt cache"
     layer_types = getattr(cfg, "layer_types", None) or []
     windowed = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
@@ -387,15 +455,40 @@ def prefix_supported(
 ) -> tuple[bool, str]:
     """Whether the `prefix` layout computes on `model` what `padded` computes, and why (not).
 
-    Refused without probing where `prefix_refused_unprobed` says so. Otherwise a probe of two prompts with
-    two responses each (one token, and several) is run both ways without gradients, as the caller's
-    forward runs (under its autocast, or FSDP's gathered shards); the mean log-prob difference must
-    be within rounding of `compute_dtype` (default: the parameters' dtype), as
-    `weir.config.devices.rounding_tolerance` bounds it.
+    Refused without probing where `prefix_refused_unprobed` says so. Otherwise `_probe` runs it
+    against `padded`.
     """
     refused = prefix_refused_unprobed(model)
     if refused is not None:
         return False, refused
+    err = _probe(model, "prefix", compute_dtype)
+    if isinstance(err, str):
+        return False, f"prefix off: {err}"
+    return True, f"prefix on (probe within {err:.1g} nats/token of padded)"
+
+
+def varlen_supported(
+    model: torch.nn.Module, compute_dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
+    """Whether the `varlen` layout computes on `model` what `padded` computes, and why (not):
+    refused where `weir.train.varlen.varlen_refusal` says so, else probed by `_probe`."""
+    refused = varlen_refusal(model)
+    if refused is not None:
+        return False, f"varlen off: {refused}"
+    err = _probe(model, "varlen", compute_dtype)
+    if isinstance(err, str):
+        return False, f"varlen off: {err}"
+    return True, f"varlen on (probe within {err:.1g} nats/token of padded)"
+
+
+def _probe(
+    model: torch.nn.Module, layout: Layout, compute_dtype: torch.dtype | None
+) -> float | str:
+    """Mean |`layout` - `padded`| log-prob per token on two prompts with two responses each (one
+    token, and several), without gradients, as the caller's forward runs (under its autocast, or
+    FSDP's gathered shards); a float, or why the probe failed. It must be within rounding of
+    `compute_dtype` (default: the parameters' dtype), as `weir.config.devices.rounding_tolerance`
+    bounds it, or the returned string says by how much it is not."""
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(0)
     tok = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -408,14 +501,14 @@ def prefix_supported(
     model.eval()
     try:
         with torch.no_grad():
-            mine = prefix_response_logprobs(model, seqs, lens).logprobs
+            mine = response_logprobs(model, seqs, lens, layout=layout).logprobs
             ref = padded_response_logprobs(model, seqs, lens).logprobs
-    except Exception as err:  # an architecture whose forward takes no shared cache
-        return False, f"prefix off: the probe failed ({type(err).__name__}: {err})"
+    except Exception as err:  # an architecture whose forward takes no shared cache / no kwargs
+        return f"the probe failed ({type(err).__name__}: {err})"
     finally:
         model.train(was_training)
     mask = torch.arange(ref.shape[1])[None] < torch.tensor(lens)[:, None]
     err = float((mine - ref).abs()[mask.to(ref.device)].mean())
     if not err <= tol:
-        return False, f"prefix off: the probe differs from padded by {err:.3g} nats/token"
-    return True, f"prefix on (probe within {err:.1g} nats/token of padded)"
+        return f"the probe differs from padded by {err:.3g} nats/token"
+    return err

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from weir.data.moe_routing import Routes, replaying
+from weir.hf_compat import cache_kwargs
 from weir.train.precision import compute_device
-from weir.train.response_rows import PackedOutput, left_pad, token_stats
+from weir.train.response_rows import PackedOutput, left_pad, to_device, token_stats
 
 RESPONSE_PASS_TOKENS = 256
 """What one more response pass costs beyond its tokens (its Python and the per-op work of its
@@ -60,8 +62,12 @@ def prefix_response_logprobs(
     pad_to: int | None = None,
     chunk_size: int = 256,
     one_pass: bool = False,
+    routes: Routes | None = None,
 ) -> PackedOutput:
     """The `prefix` layout: each distinct prompt runs once (see the module docstring).
+
+    With `routes` (routing replay), sequences share a prompt pass only where their prompts also
+    have the same recorded routing.
 
     With `one_pass` the responses run in one pass, run even when every response is one token
     long: the model's forward runs exactly twice, as FSDP ranks need (each forward gathers every
@@ -77,33 +83,45 @@ def prefix_response_logprobs(
     b = len(sequences)
     prompt_of: dict[tuple[int, ...], int] = {}
     rows_prompt: list[int] = []
-    for seq, n in zip(sequences, response_lengths, strict=True):
+    owner: list[int] = []  # the sequence whose prompt (and routing) each distinct prompt is
+    for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
         if n < 1 or n >= len(seq):
             raise ValueError(
                 f"prefix layout: a response of {n} tokens in a sequence of {len(seq)} (need a "
                 "prompt of at least one token and a response of at least one)"
             )
-        rows_prompt.append(prompt_of.setdefault(tuple(seq[: len(seq) - n]), len(prompt_of)))
-    prompts = list(prompt_of)
-    p_ids, p_mask, p_pos = left_pad([list(q) for q in prompts])
-    p_mask = p_mask.to(device)
+        key: tuple = tuple(seq[: len(seq) - n])
+        if routes is not None:
+            key = (key, routes.span(i, 0, len(seq) - n).numpy().tobytes())
+        if key not in prompt_of:
+            owner.append(i)
+        rows_prompt.append(prompt_of.setdefault(key, len(prompt_of)))
+    prompts = [sequences[i][: len(sequences[i]) - response_lengths[i]] for i in owner]
+    p_ids, p_mask, p_pos = left_pad(prompts)
+    p_mask = to_device(p_mask, device)
     cache = DynamicCache(config=model.config)
-    first = model(
-        input_ids=p_ids.to(device),
-        attention_mask=p_mask,
-        position_ids=p_pos.to(device),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # (g, V): predicts every response's first token
-    row_prompt = torch.tensor(rows_prompt, device=device)
-    lengths = torch.tensor(response_lengths, device=device)
+    replay = None
+    if routes is not None:
+        replay = to_device(
+            routes.left_padded([len(q) for q in prompts], p_ids.shape[1], owner), device
+        )
+    with replaying(replay):
+        first = model(
+            input_ids=to_device(p_ids, device),
+            attention_mask=p_mask,
+            position_ids=to_device(p_pos, device),
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]  # (g, V): predicts every response's first token
+    row_prompt = to_device(torch.tensor(rows_prompt), device)
+    lengths = to_device(torch.tensor(response_lengths), device)
     first_targets = torch.tensor(
         [seq[len(seq) - n] for seq, n in zip(sequences, response_lengths, strict=True)]
     )
     logp0, ent0 = token_stats(
         first.index_select(0, row_prompt),
-        first_targets.to(device),
+        to_device(first_targets, device),
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
@@ -116,7 +134,7 @@ def prefix_response_logprobs(
         ids = torch.zeros(b, run_width + 1, dtype=torch.long)
         for i, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
             ids[i, :n] = torch.tensor(seq[len(seq) - n :], dtype=torch.long)
-        ids = ids.to(device)
+        ids = to_device(ids, device)
         prompt_len = p_mask.sum(1)
         # Rows longest first, in buckets of similar length: each bucket's pass is padded to its own
         # longest response, not the micro-batch's.
@@ -137,7 +155,7 @@ def prefix_response_logprobs(
                 if ent is not None:
                     pieces_ent.append(logp0.new_zeros(len(rows), r))
                 continue
-            sel = torch.tensor(rows, device=device)
+            sel = to_device(torch.tensor(rows), device)
             their_prompt = row_prompt.index_select(0, sel)
             sub = DynamicCache(config=model.config)
             # each row's prompt KV (a differentiable gather)
@@ -151,13 +169,20 @@ def prefix_response_logprobs(
             run_mask = (col[None] < (lengths.index_select(0, sel) - 1)[:, None]).long()
             attn = torch.cat([p_mask.index_select(0, their_prompt), run_mask], dim=1)
             run = ids.index_select(0, sel)[:, : width + 1]
-            logits = model(
-                input_ids=run[:, :width],
-                attention_mask=attn,
-                position_ids=prompt_len.index_select(0, their_prompt)[:, None] + col[None],
-                past_key_values=sub,
-                use_cache=True,
-            ).logits  # (rows, width, V): column j predicts response token j + 1
+            replay = None
+            if routes is not None:  # response token j of row i sits at position len(prompt) + j
+                starts = [len(sequences[i]) - response_lengths[i] for i in rows]
+                replay = torch.cat(
+                    [routes.span(i, p, p + width) for i, p in zip(rows, starts, strict=True)]
+                )
+            with replaying(None if replay is None else replay.to(device)):
+                logits = model(
+                    input_ids=run[:, :width],
+                    attention_mask=attn,
+                    position_ids=prompt_len.index_select(0, their_prompt)[:, None] + col[None],
+                    **cache_kwargs(model, sub),
+                    use_cache=True,
+                ).logits  # (rows, width, V): column j predicts response token j + 1
             rest, rest_ent = token_stats(
                 logits.reshape(len(rows) * width, -1),
                 run[:, 1:].reshape(-1),
@@ -172,7 +197,7 @@ def prefix_response_logprobs(
                 pieces_ent.append(torch.nn.functional.pad(rest_ent.view(len(rows), width), pad))
         back = torch.empty(b, dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(b)  # bucket order -> the caller's row order
-        back = back.to(device)
+        back = to_device(back, device)
         logp = torch.cat([logp, torch.cat(pieces_logp).index_select(0, back)], dim=1)
         if ent is not None:
             ent = torch.cat([ent, torch.cat(pieces_ent).index_select(0, back)], dim=1)

@@ -76,11 +76,40 @@ def _from_shards(rank: Any, model_path: str, model: torch.nn.Module, layout: dic
 
     actor_model = start(model)
     reference = None
-    if settings.actor.algo.kl.coef > 0:  # the frozen initial policy, sharded and read the same way
+    if settings.actor.needs_reference:  # the frozen initial policy, sharded and read the same way
         reference = start(build_on_meta(model_path, dtype)).eval().requires_grad_(False)
+    teacher = _teacher_shards(rank, dtype, compute, offload, where)
     local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
     rank.start.update(meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20)
-    return ShardedActor(actor_model, settings.actor, reference=reference)
+    return ShardedActor(actor_model, settings.actor, reference=reference, teacher=teacher)
+
+
+def _teacher_shards(
+    rank: Any, dtype: torch.dtype, compute: torch.dtype, offload: bool, where: str
+) -> torch.nn.Module | None:
+    """A distillation teacher from a model directory, started on the meta device with only this
+    rank's shard read, as the policy and the reference are (None: no such teacher, or one whose
+    loading converts weights, which `ShardedActor` then loads whole and shards)."""
+    from weir.train.meta_init import (
+        build_on_meta,
+        disk_layout,
+        layout_mismatch,
+        load_local_shards,
+        materialize,
+    )
+    from weir.train.teacher import is_endpoint
+
+    path = rank.settings.actor.teacher
+    if path is None or path == "reference" or is_endpoint(path) or not Path(path).is_dir():
+        return None
+    layout = disk_layout(path)
+    teacher = build_on_meta(path, dtype)
+    if layout_mismatch(teacher, layout) is not None:
+        return None
+    shard_model(teacher, compute_dtype=compute, offload=offload, device=torch.device(rank.device))
+    materialize(teacher, where)
+    load_local_shards(teacher, layout)
+    return teacher.eval().requires_grad_(False)
 
 
 def _lora_policy(rank: Any, model_path: str, dtype: torch.dtype) -> ShardedActor:

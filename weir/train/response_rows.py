@@ -4,12 +4,43 @@ as padded rows."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from weir.algo import entropy_from_logits, logprobs_from_logits
+from weir.algo.entropy import compile_status, token_logprobs_and_entropy
+
+KERNELS = ("auto", "compiled", "eager", "reference")
+_kernel: ContextVar[str] = ContextVar("weir_logprob_kernel", default="auto")
+
+
+def check_kernel(name: str, device: torch.device) -> None:
+    """Refuse `train.logprob_kernel=compiled` up front where it cannot compile (one line, why)."""
+    status = compile_status(device)
+    if name == "compiled" and status != "available":
+        raise ValueError(
+            f"train.logprob_kernel=compiled on {device}: {status}; use train.logprob_kernel=auto"
+        )
+
+
+@contextlib.contextmanager
+def logprob_kernel(name: str) -> Iterator[None]:
+    """`token_stats` within the block computes with kernel `name` (`train.logprob_kernel`):
+    `auto`, `compiled` or `eager` (`weir.algo.token_logprobs_and_entropy`), or `reference` (the two
+    separate functions, `logprobs_from_logits` and `entropy_from_logits`). The actor sets it around
+    its forwards, so the layouts need not pass it down."""
+    if name not in KERNELS:
+        raise ValueError(f"train.logprob_kernel: unknown kernel {name!r}; choose one of {KERNELS}")
+    token = _kernel.set(name)
+    try:
+        yield
+    finally:
+        _kernel.reset(token)
 
 
 @dataclass
@@ -30,14 +61,34 @@ def token_stats(
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` under `logits / T` and, if asked, the entropy (with its gradient only
-    if `entropy_grad`), in chunks of `chunk_size` rows (`weir.algo`); T <= 0 counts as 1."""
+    if `entropy_grad`: never a graph for a metric), in chunks of `chunk_size` rows, from one pass
+    over the logits (`weir.algo.token_logprobs_and_entropy`, with the kernel `logprob_kernel`
+    chose); T <= 0 counts as 1. Nothing here reads the device (no host synchronisation)."""
     t = temperature if temperature > 0 else 1.0
+    kernel = _kernel.get()
+    if kernel != "reference":
+        mode = ("grad" if entropy_grad else "value") if with_entropy else "none"
+        return token_logprobs_and_entropy(
+            logits, targets, chunk_size, temperature=t, entropy=mode, kernel=kernel
+        )
     logp = logprobs_from_logits(logits, targets, chunk_size, temperature=t, allow_nonfinite=True)
     ent = None
     if with_entropy:
         src = logits if entropy_grad else logits.detach()
         ent = entropy_from_logits(src, chunk_size, temperature=t, allow_nonfinite=True)
     return logp, ent
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t`, built on the host, on `device` without waiting: on CUDA from pinned memory with a
+    non-blocking copy (a copy from pageable memory waits for the work queued before it, which
+    would stall the host once per micro-batch). torch's pinned-memory cache keeps the source
+    until the copy is done."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def left_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

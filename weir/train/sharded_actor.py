@@ -32,9 +32,10 @@ from torch.distributed.fsdp import (
 
 from weir.train.actor import Actor, ActorSettings
 from weir.train.deal import balance, deal_groups
+from weir.train.layout_cost import LayoutChoice
 from weir.train.packing import (
     Layout,
-    choose_layout,
+    exact_layouts,
     micro_batches,
     prefix_refusal,
 )
@@ -126,22 +127,24 @@ class ShardedActor(Actor):
         model: torch.nn.Module,
         settings: ActorSettings,
         reference: torch.nn.Module | None = None,
+        teacher: torch.nn.Module | None = None,
     ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # NCCL reduces tensors on the GPU, gloo on the CPU
         nccl = dist.get_backend() == "nccl"
         self._comm = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # the reference must be copied before `model` is sharded in place
-        if reference is None and settings.algo.kl.coef > 0 and self.copies_reference:
+        if reference is None and settings.needs_reference and self.copies_reference:
             reference = copy.deepcopy(model)
         self._initial = reference
+        self._teacher_model = teacher  # a distillation teacher read shard by shard (TrainerRank)
         device = next(model.parameters()).device
         self._compute = Precision.from_config(settings.train, device=device).compute_dtype
         self._offload = settings.train.offload_optimizer
         if not isinstance(model, FSDPModule):
             shard_model(model, compute_dtype=self._compute, offload=self._offload)
         super().__init__(model, settings)
-        self._initial = None
+        self._initial = self._teacher_model = None
 
     def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen, sharded copy of the initial model (copied before sharding)."""
@@ -151,6 +154,26 @@ class ShardedActor(Actor):
             return ref
         return shard_model(ref, compute_dtype=self._compute, offload=self._offload)
 
+    def _load_teacher(self, path: str) -> torch.nn.Module:
+        """The distillation teacher as FSDP2 shards, like the reference: the one the rank read shard
+        by shard, or else loaded whole on this rank and sharded here."""
+        teacher = self._teacher_model
+        if teacher is None:
+            teacher = super()._load_teacher(path)
+        teacher = teacher.eval().requires_grad_(False)
+        if isinstance(teacher, FSDPModule):
+            return teacher
+        return shard_model(teacher, compute_dtype=self._compute, offload=self._offload)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def _from_first_rank(self, rows: torch.Tensor) -> torch.Tensor:
+        out = rows.to(self._comm) if self._comm is not None else rows.clone()
+        dist.broadcast(out, src=0)
+        return out.to(rows.device)
+
     def _precision(self, model: torch.nn.Module) -> Precision:
         """FSDP2's MixedPrecisionPolicy casts the gathered shards, so no autocast on top of it.
 
@@ -159,37 +182,52 @@ class ShardedActor(Actor):
         device = self._comm if self._comm is not None else p.device
         return Precision(device, p.dtype, p.dtype)
 
-    def _choose_layout(self) -> Layout:
-        """`train.packing` resolved on every rank at once: `prefix` only where every rank's probe
-        found it exact; a refusal of an asked-for `prefix` is raised on every rank, after the
-        ranks agreed, so that none is left waiting in a collective."""
+    def _choose_layouts(self) -> LayoutChoice:
+        """`train.packing` resolved on every rank at once: a layout is a candidate only where
+        every rank's probe found it exact; a refusal of an asked-for layout is raised on every
+        rank, after the ranks agreed, so that none is left waiting in a collective."""
         refusal: ValueError | None = None
         try:
-            mine = choose_layout(
+            mine = exact_layouts(
                 self.model,
                 self.tcfg.packing,
                 shared_prompts=self.shares_prompts,
                 compute_dtype=self._compute,  # FSDP2's MixedPrecisionPolicy casts the shards
+                with_varlen=True,
             )
-        except ValueError as err:  # train.packing=prefix, and this rank's probe refused it
-            mine, refusal = "padded", err
+        except ValueError as err:  # a layout asked for, and this rank's probe refused it
+            mine, refusal = ["padded"], err
         self._settle()
-        agreed = torch.tensor([0.0 if refusal else 1.0 if mine == "prefix" else 0.5])
+        names: list[Layout] = ["packed", "prefix", "varlen", "padded"]
+        flags = [0.0 if refusal else 1.0] + [1.0 if n in mine else 0.0 for n in names]
+        agreed = torch.tensor(flags)
         agreed = agreed.to(self._comm) if self._comm is not None else agreed
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if self.tcfg.packing == "prefix" and agreed.item() < 1.0:
-            raise refusal or prefix_refusal("another trainer rank's probe found it inexact")
-        if mine == "prefix" and agreed.item() < 1.0:
-            log.info(
-                "train.packing=auto: padded micro-batches (another rank's probe refused prefix)"
+        ok = agreed.tolist()
+        if ok[0] < 1.0:
+            packing = self.tcfg.packing
+            raise refusal or (
+                prefix_refusal("another trainer rank's probe found it inexact")
+                if packing == "prefix"
+                else ValueError(
+                    f"train.packing={packing}: another trainer rank's probe found it inexact; "
+                    "set train.packing=auto or padded"
+                )
             )
-            return "padded"
-        return mine
+        layouts = [n for n in mine if ok[1 + names.index(n)] >= 1.0]
+        if layouts != mine:
+            log.info("train.packing=auto: %s (another rank's probe refused the rest)", layouts)
+        return self._layout_choice(layouts)
 
     def _micro_batches(
-        self, indices: list[int], seqs: list[list[int]], lens: list[int] | None = None
+        self,
+        indices: list[int],
+        seqs: list[list[int]],
+        lens: list[int] | None = None,
+        layout: Layout | None = None,
     ) -> list[list[int]]:
-        prefix = self.layout == "prefix" and lens is not None
+        layout = layout or self.layout
+        prefix = layout == "prefix" and lens is not None
         if prefix:
             mine = deal_groups(indices, seqs, lens, self.world)[self.rank]
         else:
@@ -200,18 +238,24 @@ class ShardedActor(Actor):
             for mb in micro_batches(
                 [len(seqs[i]) for i in mine],
                 self.tcfg.micro_batch_tokens,
-                self.layout,
+                layout,
                 sequences=[seqs[i] for i in mine] if prefix else None,
                 response_lengths=[lens[i] for i in mine] if prefix else None,
             )
         ]
+        if self.world == 1:
+            return local
         count = torch.tensor([len(local)], device=self._comm)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return local + [[]] * (int(count.item()) - len(local))
 
-    def _idle_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
+    def _idle_pass(
+        self, model: torch.nn.Module, *, backward: bool, layout: Layout | None = None
+    ) -> None:
         with torch.set_grad_enabled(backward):
-            if self.layout == "prefix":  # the same two forwards as a real prefix micro-batch
+            if (
+                layout or self.layout
+            ) == "prefix":  # the same two forwards as a real prefix micro-batch
                 out = prefix_response_logprobs(model, [[0, 0]], [1], one_pass=True).logprobs
             else:
                 ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
@@ -225,13 +269,21 @@ class ShardedActor(Actor):
         if isinstance(self.model, FSDPModule):
             self.model.reshard()
 
-    def _all_finite(self, finite: bool) -> bool:
-        flag = torch.tensor([1.0 if finite else 0.0], device=self._comm)
+    # one rank (a colocated trainer on one GPU): what the collectives below would agree on is
+    # its own answer, so it takes none of them (each is a host synchronisation)
+
+    def _all_finite(self, finite: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return finite
+        flag = finite.reshape(1).float()
+        flag = flag.to(self._comm) if self._comm is not None else flag
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0)
+        return flag[0] > 0
 
     def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
         # each row was computed on exactly one rank, zeros elsewhere
+        if self.world == 1:
+            return rows
         total = rows.to(self._comm) if self._comm is not None else rows
         dist.all_reduce(total)
         return total.to(rows.device)
@@ -239,6 +291,8 @@ class ShardedActor(Actor):
     def _reduce_metrics(
         self, sums: dict[str, float], peaks: dict[str, float]
     ) -> tuple[dict[str, float], dict[str, float]]:
+        if self.world == 1:
+            return sums, peaks
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, (dict(sums), dict(peaks)))
         total: dict[str, float] = {}

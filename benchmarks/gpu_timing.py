@@ -1,0 +1,139 @@
+"""Timing pieces of benchmarks/gpu_trainer.py: a step timed with CUDA events, one step under
+torch.profiler, and the LM-head statistics alone (each kernel against the reference functions)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(actor, batch, device: torch.device) -> tuple[float, float, dict[str, float]]:
+    """One `actor.train(batch)`: (seconds between CUDA events around it, host seconds, stats)."""
+    sync(device)
+    t0 = time.perf_counter()
+    if device.type != "cuda":
+        stats = actor.train(batch)
+        wall = time.perf_counter() - t0
+        return wall, wall, stats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    stats = actor.train(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, time.perf_counter() - t0, stats
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def profile_step(actor, batch, device: torch.device, top: int) -> dict[str, Any]:
+    """One warm step under torch.profiler: the `top` kernels (CPU ops on a CPU) by self time,
+    their counts and share of all kernel time, and kernel time against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        actor.train(batch)
+        sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def self_us(e) -> float:
+        if not cuda:
+            return float(e.self_cpu_time_total)
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))
+
+    rows = [e for e in events if self_us(e) > 0 and (not cuda or _on_device(e))]
+    total = sum(self_us(e) for e in rows)
+    rows.sort(key=self_us, reverse=True)
+    return {
+        "wall_s": wall,
+        "kernel_s": total / 1e6,
+        "busy": total / 1e6 / wall if wall else None,
+        "top": [
+            {
+                "name": e.key[:120],
+                "calls": e.count,
+                "ms": self_us(e) / 1e3,
+                "share": self_us(e) / total,
+            }
+            for e in rows[:top]
+        ],
+    }
+
+
+def _on_device(event) -> bool:
+    kind = getattr(event, "device_type", None)
+    return kind is not None and "CUDA" in str(kind)
+
+
+def head_bench(vocab: int, rows: int, device: torch.device, repeat: int) -> dict[str, Any]:
+    """Log-probs + entropy, forward and backward, on `rows` x `vocab` bf16 logits: the reference
+    functions and each fused kernel there is; time, peak memory and largest differences from the
+    reference (entropy without gradient, as with `algo.entropy_coef=0`)."""
+    from weir.algo import entropy as E
+
+    g = torch.Generator(device=device).manual_seed(0)
+    base = (torch.randn(rows, vocab, generator=g, device=device) * 3).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (rows,), generator=g, device=device)
+    weight = torch.randn(rows, generator=g, device=device)
+    kernels = ["reference"]
+    if hasattr(E, "token_logprobs_and_entropy"):
+        kernels += ["eager"] + (["compiled"] if E.compile_status(device) == "available" else [])
+
+    def run(kernel: str):
+        logits = base.clone().requires_grad_(True)
+        if kernel == "reference":
+            lp = E.logprobs_from_logits(logits, ids, 256, allow_nonfinite=True)
+            h = E.entropy_from_logits(logits.detach(), 256, allow_nonfinite=True)
+        else:
+            lp, h = E.token_logprobs_and_entropy(logits, ids, 256, entropy="value", kernel=kernel)
+        (lp * weight).sum().backward()
+        return lp.detach(), h.detach(), logits.grad
+
+    out: dict[str, Any] = {"rows": rows, "vocab": vocab}
+    ref = None
+    for kernel in kernels:
+        try:
+            t0 = time.perf_counter()
+            first = run(kernel)
+            sync(device)
+            cold = time.perf_counter() - t0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(repeat):
+                sync(device)
+                t0 = time.perf_counter()
+                run(kernel)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            row: dict[str, Any] = {"first_s": cold, "s": sorted(times)}
+            if device.type == "cuda":
+                row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if ref is None:
+                ref = first
+            else:
+                row["max_diff"] = {
+                    k: float((a.float() - b.float()).abs().max())
+                    for k, a, b in zip(("logp", "entropy", "grad"), first, ref, strict=True)
+                }
+            out[kernel] = row
+        except Exception as err:  # noqa: BLE001 - one kernel failing must not stop the others
+            out[kernel] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        free(device)
+    return out

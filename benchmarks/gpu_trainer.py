@@ -1,0 +1,539 @@
+"""The trainer step on one GPU, measured honestly: tokens/s, MFU three ways, memory, kernels.
+
+Random-init models with the shapes of Qwen2.5-0.5B and -1.5B (benchmarks/model_shapes.py), float32
+master weights with bfloat16 compute, one fused GRPO step per RL step (`algo.old_logprobs=recompute`,
+one epoch, one mini-batch: one forward and one backward per micro-batch), synthetic groups of
+`--prompts` x `--n` samples with random rewards (every row trains).
+
+Response lengths are drawn from a lognormal (seeded; median `--response-median`, clipped to
+[16, `--response-max`]) as RL batches have them, and, for comparison, all equal. Prompt lengths are
+uniform in `--prompt-len`.
+
+What it measures, per shape (each shape an equal share of the budget left), in this order (each
+part is skipped, and said so, when `--budget-s` would be exceeded; what was measured is still
+printed and written):
+
+- main: the default config (`train.packing=auto`, checkpointing off): one untimed warm-up step
+  (printed: it pays CUDA's lazy loading, cuBLAS heuristics, allocator growth, AdamW's state and
+  any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU;
+- profile: one warm step under torch.profiler: the top CUDA kernels and their share of the step;
+- fuse: the main config with each fused route of `train.fuse` (`liger`, `compile`; where this
+  weir has them), each on a fresh model (both patch the model in place);
+- layouts: tokens/s of each micro-batch layout (`padded`, `prefix`, `packed`, and `varlen` where
+  this weir has it: detected by name in `train.packing`'s choices);
+- fixed: the main config on equal response lengths;
+- head: the main config with the reference log-prob/entropy functions instead of the fused kernel
+  (where `train.logprob_kernel` exists);
+- checkpointing: the main config with `train.gradient_checkpointing=true`.
+- once: the LM-head statistics alone on `--head-rows` x V bfloat16 logits (forward + backward), each
+  kernel against the reference functions: time, peak memory, largest differences.
+
+MFU, against the dense bf16 peak of the GPU (989 TFLOP/s for H100/H200), three ways:
+
+- model: 6 N_ne T + 6 V d R + attention, where N_ne is the non-embedding parameters (decoder
+  layers and final norm), T every token, R the response tokens (the only rows the LM head runs
+  on), and attention the causal FLOPs 12 * pairs * head_dim * heads per layer and sequence
+  (pairs = s (s + 1) / 2; forward 4 FLOP per pair and dimension, backward twice that). Neither
+  checkpoint recompute nor padding counts: they are work the step chose to do;
+- 6ND: 6 x every parameter x every token (the tied LM head charged to prompt tokens too);
+- verl: verl's `_estimate_qwen2_flops`: 6 (L (mlp + attention linears) + 2 V d) T +
+  12 sum(s^2) head_dim heads L (embedding and head both counted, non-causal attention).
+
+With `--ray`, also the colocated Ray step against the local one and the weight sync's seconds per
+GB (benchmarks/gpu_trainer_ray.py).
+
+    python benchmarks/gpu_trainer.py                               # 4-5 min on one H100
+    python benchmarks/gpu_trainer.py --ray                         # plus the Ray step and sync
+    python benchmarks/gpu_trainer.py --device cpu --shapes tiny    # the code path, seconds
+
+Prints as it goes and writes every figure as JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any, get_args
+
+import torch
+from gpu_timing import free, head_bench, profile_step, timed  # the script's folder
+from model_shapes import QWEN25
+from trainer_flops import layer_params, step_flops  # noqa: F401 - layer_params: for the tests
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.5b": QWEN25["0.5b"],
+    "1.5b": QWEN25["1.5b"],
+    "tiny": dict(  # checks the code path on a CPU
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    ),
+}
+# tokens per micro-batch: what fits without checkpointing on an 80 GB GPU (1.5B: 24 GB of weights,
+# gradients and AdamW state, about 3 MB of saved activations per token)
+MICRO_BATCH = {"0.5b": 16384, "1.5b": 8192, "tiny": 256}
+TARGETS = {"0.5b": 0.35, "1.5b": 0.40}  # model-FLOP MFU, one H100, bf16, realistic lengths
+RAY_RESERVE_S = 90.0  # of --budget-s, kept for --ray
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+# -- environment -------------------------------------------------------------------------------
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What decides which kernels can run: a C compiler (Triton and torch.compile build with one),
+    library versions, the device and its bf16 peak."""
+    env: dict[str, Any] = {
+        "cc": shutil.which("cc"),
+        "gcc": shutil.which("gcc"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    for name in ("transformers", "triton", "liger_kernel", "flash_attn", "ray"):
+        try:
+            env[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception:  # noqa: BLE001 - not installed, or broken: either way not usable
+            env[name] = None
+    if device.type == "cuda":
+        env["device"] = torch.cuda.get_device_name(device)
+        env["peak_bf16"] = next((v for k, v in PEAK_BF16.items() if k in env["device"]), None)
+    else:
+        env["device"] = platform.processor() or platform.machine()
+        env["peak_bf16"] = None
+    try:
+        from weir.algo import entropy
+
+        env["logprob_compile"] = entropy.compile_status(device)
+    except AttributeError:
+        env["logprob_compile"] = "no fused kernel in this weir"
+    return env
+
+
+def train_choices(field: str) -> tuple[str, ...] | None:
+    """The values `train.<field>` accepts in this weir (None: no such field), so that the script
+    runs before and after a layout or kernel option lands."""
+    from weir.config.sections import TrainConfig
+
+    info = TrainConfig.model_fields.get(field)
+    return None if info is None else tuple(get_args(info.annotation))
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+
+def lengths(args, kind: str, seed: int) -> tuple[list[int], list[int]]:
+    """(prompt lengths per prompt, response lengths per sample) for `kind` lognormal or fixed."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (int(x) for x in args.prompt_len.split("-"))
+    prompts = torch.randint(lo, hi + 1, (args.prompts,), generator=g).tolist()
+    n = args.prompts * args.n
+    if kind == "fixed":
+        return prompts, [args.response_median] * n
+    z = torch.randn(n, generator=g, dtype=torch.float64)
+    raw = torch.exp(math.log(args.response_median) + args.response_sigma * z)
+    lo_r = min(16, args.response_max)
+    return prompts, raw.round().clamp(lo_r, args.response_max).long().tolist()
+
+
+def make_groups(args, vocab: int, kind: str, seed: int = 0):
+    from weir.data.sample import Group, Sample
+
+    prompt_lens, resp_lens = lengths(args, kind, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    groups = []
+    for gid, p in enumerate(prompt_lens):
+        prompt = torch.randint(10, vocab, (p,), generator=g).tolist()
+        samples = []
+        for i in range(args.n):
+            r = resp_lens[gid * args.n + i]
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=torch.randint(10, vocab, (r,), generator=g).tolist(),
+                    rollout_logprobs=[-1.0] * r,
+                    versions=[0] * r,
+                    reward=float(torch.rand((), generator=g)),
+                    group_id=gid,
+                    index=i,
+                )
+            )
+        groups.append(Group(samples=samples, group_id=gid))
+    return groups
+
+
+# -- one configuration -------------------------------------------------------------------------
+
+
+def build_model(shape: str, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        **SHAPES[shape], max_position_embeddings=8192, rope_theta=1e6, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: seconds, not a CPU minute
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def fused_routes(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """The routes of `train.fuse` that would run as themselves here (not as a fallback), on a
+    GPU only (a compile on a CPU costs minutes)."""
+    if device.type != "cuda" or not train_choices("fuse"):
+        return []
+    from weir.train.fuse import choose_fusion
+
+    return [r for r in ("liger", "compile") if choose_fusion(r, model, device).route == r]
+
+
+def overrides(args, shape: str, device: torch.device, batch, **train: Any) -> list[str]:
+    cfg = {
+        "train.lr": 1e-6,
+        "train.micro_batch_tokens": args.micro_batch_tokens or MICRO_BATCH[shape],
+        "train.gradient_checkpointing": False,
+        "train.packing": "auto",
+        "train.compute_dtype": "bfloat16" if device.type == "cuda" else "float32",
+        **{f"train.{k}": v for k, v in train.items()},
+    }
+    longest = max(len(s.response_ids) for s in batch.samples)
+    return [f"{k}={v}" for k, v in cfg.items()] + [
+        f"rollout.n={args.n}",
+        f"rollout.batch_prompts={args.prompts}",
+        f"rollout.max_new_tokens={longest}",
+        "algo.old_logprobs=recompute",
+    ]
+
+
+def run_config(
+    model, shape, batch, args, device, env, *, warm: int, steps: int, profile: bool = False, **train
+) -> dict[str, Any]:
+    """Build an Actor with `train` overrides, run `warm` untimed and `steps` timed steps."""
+    from weir.config import build_config
+    from weir.train.actor import Actor, ActorSettings
+
+    cfg = build_config({}, overrides(args, shape, device, batch, **train))
+    actor = Actor(model, ActorSettings.from_config(cfg))
+    out: dict[str, Any] = {"layout": actor.layout, "train": train}
+    fusion = getattr(actor, "fusion", None)
+    if fusion is not None:
+        out["fusion"] = f"{fusion.route}: {fusion.reason}"
+    try:
+        warm_s = [timed(actor, batch, device)[0] for _ in range(warm)]
+        if warm_s:
+            out["warmup_s"] = warm_s
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        runs = [timed(actor, batch, device) for _ in range(steps)]
+        out["peak_gb"] = (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        )
+        out["step_s"] = [r[0] for r in runs]
+        out["host_s"] = [r[1] for r in runs]
+        out["grad_norm"] = runs[-1][2].get("train/grad_norm") if runs else None
+        if profile:
+            out["profile"] = profile_step(actor, batch, device, args.top_kernels)
+    finally:
+        del actor
+        free(device)
+    if out.get("step_s"):
+        out.update(figures(shape, batch, model, out["step_s"], env["peak_bf16"]))
+    return out
+
+
+def figures(shape, batch, model, step_s: list[float], peak: float | None) -> dict[str, Any]:
+    seqs = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
+    resp = [len(s.response_ids) for s in batch.samples]
+    params = sum(p.numel() for p in model.parameters())
+    flops = step_flops(SHAPES[shape], seqs, resp, params)
+    mean = sum(step_s) / len(step_s)
+    out: dict[str, Any] = {"tokens": sum(seqs), "tok_s": sum(seqs) / mean, "mean_s": mean}
+    out["model_tflop_s"] = flops["model"] / mean / 1e12
+    for k, v in flops.items():
+        out[f"mfu_{k}"] = v / mean / peak if peak else None
+    return out
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict[str, Any]:
+    from weir.train.batch import make_batch
+
+    vocab = SHAPES[shape]["vocab_size"]
+    model = build_model(shape, device)
+    batches = {
+        k: make_batch(make_groups(args, vocab, k), version=0) for k in ("lognormal", "fixed")
+    }
+    res: dict[str, Any] = {
+        "batch": {
+            k: {
+                "samples": len(b),
+                "tokens": sum(len(s) for s in b.sequences),
+                "response_tokens": sum(b.response_lengths),
+                "response_max": max(b.response_lengths),
+            }
+            for k, b in batches.items()
+        }
+    }
+    real = batches["lognormal"]
+    step_s = [0.0]
+    layouts = [x for x in (train_choices("packing") or ()) if x != "auto"]
+    kernels = train_choices("logprob_kernel")
+
+    def part(name: str, steps_cost: float, fn) -> None:
+        """Run `fn` unless the budget cannot take about `steps_cost` more main steps."""
+        need = steps_cost * step_s[0] + 2.0
+        if budget.left() < need:
+            res[name] = {"skipped": f"budget ({budget.left():.0f} s left, ~{need:.0f} s needed)"}
+            report["skipped"].append(f"{shape}/{name}")
+            print(f"{shape} {name}: skipped (budget)", flush=True)
+            return
+        try:
+            res[name] = fn()
+        except Exception as err:  # noqa: BLE001 - an OOM or a kernel error costs its part only
+            res[name] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            print(f"{shape} {name}: {res[name]['error']}", flush=True)
+            traceback.print_exc(limit=3)
+            free(device)
+            return
+        print(f"{shape} {name}: {summary(res[name])}", flush=True)
+
+    def main_part():
+        out = run_config(
+            model,
+            shape,
+            real,
+            args,
+            device,
+            env,
+            warm=1,
+            steps=args.steps,
+            profile=not args.no_profile,
+        )
+        step_s[0] = out["mean_s"]
+        return out
+
+    part("main", 0, main_part)
+    if "profile" in res.get("main", {}):
+        res["profile"] = res["main"].pop("profile")
+        print_profile(shape, res["profile"])
+    if not step_s[0]:
+        return res
+    w, n = args.variant_warmup, args.variant_steps
+    for route in fused_routes(model, device):
+
+        def fused(route=route):  # a fresh model: both routes patch the model in place for good
+            return run_config(
+                build_model(shape, device),
+                shape,
+                real,
+                args,
+                device,
+                env,
+                warm=w,
+                steps=n,
+                fuse=route,
+            )
+
+        part(f"fuse_{route}", (w + n) * 2 + (8 if route == "compile" else 2), fused)
+    main_layout = res["main"]["layout"]
+    res["layouts"] = {main_layout: "main"}
+    for layout in layouts:
+        if layout == main_layout:
+            continue
+        cost = (w + n) * (3 if layout == "packed" else 1.5)
+
+        def one(layout=layout):
+            return run_config(
+                model, shape, real, args, device, env, warm=w, steps=n, packing=layout
+            )
+
+        part(f"layout_{layout}", cost, one)
+        res["layouts"][layout] = res.pop(f"layout_{layout}")
+    part(
+        "fixed",
+        w + n,
+        lambda: run_config(model, shape, batches["fixed"], args, device, env, warm=w, steps=n),
+    )
+    if kernels and "reference" in kernels:
+        part(
+            "head_reference",
+            (w + n) * 1.5,
+            lambda: run_config(
+                model, shape, real, args, device, env, warm=w, steps=n, logprob_kernel="reference"
+            ),
+        )
+    part(  # last: HF cannot turn checkpointing off again on this model
+        "checkpointing",
+        (w + n) * 1.5,
+        lambda: run_config(
+            model, shape, real, args, device, env, warm=w, steps=n, gradient_checkpointing=True
+        ),
+    )
+    model = None  # noqa: F841 - the closures above hold it until here
+    free(device)
+    return res
+
+
+def summary(row: dict[str, Any]) -> str:
+    if "tok_s" not in row:
+        return json.dumps(row, default=str)[:300]
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    warm = f"warm-up {row['warmup_s'][0]:.2f}s, " if row.get("warmup_s") else ""
+    peak = "" if row.get("peak_gb") is None else f", peak {row['peak_gb']:.1f} GB"
+    return (
+        f"[{row['layout']}] {warm}steps {', '.join(f'{s:.3f}' for s in row['step_s'])} s, "
+        f"{row['tok_s']:,.0f} tok/s, MFU model {pct(row['mfu_model'])} / 6ND "
+        f"{pct(row['mfu_6nd'])} / verl {pct(row['mfu_verl'])}{peak}"
+    )
+
+
+def print_profile(shape: str, prof: dict[str, Any]) -> None:
+    busy = "n/a" if prof["busy"] is None else f"{prof['busy']:.0%}"
+    print(f"{shape} profile: kernels {prof['kernel_s']:.3f} s of {prof['wall_s']:.3f} s ({busy})")
+    for row in prof["top"]:
+        print(f"  {row['share']:6.1%} {row['ms']:9.2f} ms {row['calls']:6d}x  {row['name']}")
+
+
+def targets(report: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """Each target of issue 35 with its figure and pass / fail (n/a where it was not measured)."""
+    h100 = "H100" in str(report["env"].get("device"))
+    out = []
+    for shape, goal in TARGETS.items():
+        main = report["shapes"].get(shape, {}).get("main", {})
+        value = main.get("mfu_model")
+        ok = None if value is None or not h100 else value >= goal
+        out.append(
+            {
+                "target": f"{shape} model-FLOP MFU >= {goal:.0%} (H100, bf16, lognormal responses)",
+                "value": value,
+                "pass": ok,
+            }
+        )
+    ray = report.get("ray") or {}
+    gpu = device.type == "cuda"  # the Ray targets are for one GPU; elsewhere only the figures
+    s_gb = ray.get("sync_s_per_gb")
+    out.append(
+        {
+            "target": "colocated Ray sync <= 0.1 s/GB (its delivery, one GPU)",
+            "value": s_gb,
+            "pass": None if s_gb is None or not gpu else s_gb <= 0.1,
+        }
+    )
+    ratio = ray.get("ray_over_local")
+    out.append(
+        {
+            "target": "colocated Ray step <= 1.2x the local step (one GPU)",
+            "value": ratio,
+            "pass": None if ratio is None or not gpu else ratio <= 1.2,
+        }
+    )
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shapes", default="0.5b,1.5b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="skip parts past this")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps of the main config")
+    ap.add_argument("--variant-warmup", type=int, default=1)
+    ap.add_argument("--variant-steps", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", default="64-192", help="uniform range of prompt lengths")
+    ap.add_argument("--response-median", type=int, default=256)
+    ap.add_argument("--response-sigma", type=float, default=0.7)
+    ap.add_argument("--response-max", type=int, default=1024)
+    ap.add_argument("--micro-batch-tokens", type=int, default=0, help="0: per shape")
+    ap.add_argument("--head-rows", type=int, default=16384)
+    ap.add_argument("--top-kernels", type=int, default=15)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--ray", action="store_true", help="also the colocated Ray step and sync")
+    ap.add_argument("--out", default="gpu_trainer.json")
+    args = ap.parse_args(argv)
+    if args.shapes == "tiny":  # lengths a CPU runs in seconds
+        args.prompts, args.n, args.prompt_len = 4, 4, "8-16"
+        args.response_median, args.response_max, args.head_rows = 12, 32, 256
+        args.steps, args.variant_warmup, args.variant_steps = 1, 0, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    from weir.config.devices import enable_tf32, resolve_device, set_cudnn_attention
+
+    budget = Budget(args.budget_s)
+    # the shapes leave the Ray part its time (Ray's start, a model written and loaded twice)
+    shapes_budget = Budget(args.budget_s - (RAY_RESERVE_S if args.ray else 0.0))
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a code-path check: one thread, immune to a loaded machine
+    enable_tf32(device, deterministic=False)
+    set_cudnn_attention(device, False)  # weir's default (model.cudnn_attention=false)
+    env = environment(device)
+    print("environment:", json.dumps(env, default=str), flush=True)
+    if not (env["cc"] or env["gcc"]):
+        print("no C compiler (cc/gcc): Triton and torch.compile cannot build kernels", flush=True)
+    report: dict[str, Any] = {"env": env, "args": vars(args), "shapes": {}, "skipped": []}
+    head_done = False
+    try:
+        shapes = args.shapes.split(",")
+        for i, shape in enumerate(shapes):  # each shape an equal share of what is left
+            share = Budget(shapes_budget.left() / (len(shapes) - i))
+            report["shapes"][shape] = measure_shape(shape, args, device, env, share, report)
+            if not head_done and shapes_budget.left() > 20:
+                head_done = True
+                report["head"] = head_bench(
+                    SHAPES[shape]["vocab_size"], args.head_rows, device, repeat=3
+                )
+                print("head:", json.dumps(report["head"], default=str), flush=True)
+        if args.ray:
+            if budget.left() < RAY_RESERVE_S / 2:
+                report["ray"] = {"skipped": f"budget ({budget.left():.0f} s left)"}
+            else:
+                try:
+                    import gpu_trainer_ray  # benchmarks/gpu_trainer_ray.py
+
+                    report["ray"] = gpu_trainer_ray.measure(args, device, budget.left())
+                except Exception as err:  # noqa: BLE001 - reported, the figures above still count
+                    traceback.print_exc(limit=5)
+                    report["ray"] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            print("ray:", json.dumps(report["ray"], default=str), flush=True)
+    finally:
+        report["targets"] = targets(report, device)
+        report["elapsed_s"] = time.perf_counter() - budget.start
+        for t in report["targets"]:
+            verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
+            value = t["value"] if t["value"] is None else round(t["value"], 4)
+            print(f"target: {t['target']}: {value} {verdict}", flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {args.out} ({report['elapsed_s']:.0f} s)", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""`train.fuse`: the fused element-wise route the trainer takes, and the fallbacks that engage, and
+say so once, where a kernel or a C compiler is missing (on CPU; the kernels themselves are checked
+against eager on a GPU by tests/gpu/test_fuse_gpu.py)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from tests.toy import toy_groups
+from weir.config import build_config
+from weir.train import fuse
+from weir.train.actor import Actor, ActorSettings
+from weir.train.batch import make_batch
+from weir.train.fuse import apply_fusion, choose_fusion
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    monkeypatch.setattr(fuse.shutil, "which", lambda name: None)
+
+
+def test_auto_is_off_on_a_cpu_and_liger_falls_back_to_compile_there():
+    model = _model()
+    assert choose_fusion("auto", model, CPU).route == "off"
+    assert choose_fusion("off", model, CPU).route == "off"
+    if fuse.c_compiler() is None:
+        pytest.skip("no C compiler here: the compile route is refused (tested below)")
+    got = choose_fusion("liger", model, CPU)
+    assert got.route == "compile"
+    assert got.reason.startswith("liger off: Liger's kernels are Triton (CUDA only); ")
+
+
+def test_the_chain_on_a_gpu_without_liger_or_triton(monkeypatch):
+    """On CUDA without liger-kernel and Triton: liger -> compile -> off, each reason given."""
+    real = fuse.importlib.util.find_spec
+    monkeypatch.setattr(
+        fuse.importlib.util,
+        "find_spec",
+        lambda name: None if name in ("liger_kernel", "triton") else real(name),
+    )
+    monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
+    got = choose_fusion("auto", _model(), CUDA)
+    assert got.route == "off"
+    assert got.reason == (
+        "liger off: liger-kernel is not installed (pip install --no-deps liger-kernel); "
+        "compile off: Triton is not installed"
+    )
+    monkeypatch.setattr(fuse.importlib.util, "find_spec", real)
+    model = _model()
+    model.config.model_type = "gemma2"
+    if real("liger_kernel") is None:
+        return
+    assert "not checked on 'gemma2'" in choose_fusion("liger", model, CUDA).reason
+
+
+def test_a_missing_compiler_turns_compile_off_and_says_so_once(no_compiler, caplog):
+    model = _model()
+    with caplog.at_level(logging.INFO, logger=fuse.__name__):
+        got = apply_fusion("compile", model, CPU)
+    assert got.route == "off"
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert caplog.records[0].getMessage() == (
+        "train.fuse: off (compile off: no C compiler on PATH (cc, gcc, clang) for Inductor and "
+        "Triton)"
+    )
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+
+
+def test_an_actor_asked_to_compile_without_a_compiler_trains_unfused(no_compiler, caplog):
+    cfg = build_config({}, ["train.fuse=compile", "rollout.batch_prompts=2", "rollout.n=4"])
+    with caplog.at_level(logging.WARNING, logger=fuse.__name__):
+        actor = Actor(_model(), ActorSettings.from_config(cfg))
+    assert actor.fusion.route == "off"
+    stats = actor.train(make_batch(toy_groups(), version=0))
+    assert torch.isfinite(torch.tensor(stats["train/loss"]))
+    assert len(caplog.records) == 1  # said once, at start-up, not per step
+
+
+def test_compiled_layers_leave_a_deep_copy_uncompiled():
+    """The reference policy and an engine's copy are deep copies of the trainer's model: they must
+    run their own weights, which a compiled bound `forward` would not (it runs the original's)."""
+    if fuse.c_compiler() is None:
+        pytest.skip("no C compiler here")
+    model = _model()
+    assert apply_fusion("compile", model, CPU).route == "compile"  # compiles lazily: no forward
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    twin = copy.deepcopy(model)
+    assert all(layer._compiled_call_impl is None for layer in twin.model.layers)

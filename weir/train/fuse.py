@@ -1,0 +1,123 @@
+"""Fused element-wise work in the decoder (`train.fuse`): RMSNorm, RoPE, the gated MLP's
+SiLU x up, their casts, run as a few fused kernels instead of dozens of memory-bound ones.
+
+Two routes, each applied to the trainer's model in place before its first forward:
+
+- `liger`: Liger's Triton kernels (`liger-kernel`, the `weir[liger]` extra) for RMSNorm, RoPE and
+  SwiGLU on the architectures it covers and weir has checked (`LIGER_ARCHS`); no compiler besides
+  Triton's, CUDA only. Liger swaps the modules' forwards and, for RoPE and new instances, the
+  modeling module's functions and classes (process-wide: an engine in the same process uses them
+  too). Its log-prob and loss kernels are not used: the trainer computes its own.
+- `compile`: regional `torch.compile` of each decoder layer (`Module.compile`: one compiled graph
+  shared by all layers, the token dimension dynamic): any architecture, but Inductor needs a C compiler
+  (and Triton on CUDA) and tens of seconds to compile at the first step.
+
+`auto` takes `liger` where it applies, else `compile` where it can run, on CUDA; `off` on a CPU
+(compiling there took minutes, docs/engine-speed.md). A route asked for that cannot run falls back
+to the next (`liger` -> `compile` -> `off`), and the fallback and its reason are logged once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LIGER_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2")
+"""`model_type`s whose Liger kernels compute what the Hugging Face modules compute (RMSNorm in
+float32 cast back as Llama's does, rotate-half RoPE, SiLU-gated MLP)."""
+COMPILERS = ("cc", "gcc", "clang")
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """The route `train.fuse` resolved to, and why."""
+
+    route: str
+    reason: str
+
+
+def c_compiler() -> str | None:
+    """The C compiler Inductor and Triton would call (None: none on PATH)."""
+    return next((path for name in COMPILERS if (path := shutil.which(name))), None)
+
+
+def _liger_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if device.type != "cuda":
+        return "Liger's kernels are Triton (CUDA only)"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install --no-deps liger-kernel)"
+    if model_type not in LIGER_ARCHS:
+        return f"Liger's kernels are not checked on {model_type!r} in weir"
+    return None
+
+
+def _compile_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
+    if c_compiler() is None:
+        return f"no C compiler on PATH ({', '.join(COMPILERS)}) for Inductor and Triton"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if not _decoder_layers(model):
+        return "no decoder layers found (model.model.layers)"
+    return None
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    base = getattr(model, "model", None)
+    base = getattr(base, "language_model", base)
+    return list(getattr(base, "layers", None) or [])
+
+
+def choose_fusion(mode: str, model: torch.nn.Module, device: torch.device) -> Fusion:
+    """Resolve `train.fuse` for `model` on `device` (see the module docstring)."""
+    if mode == "off":
+        return Fusion("off", "train.fuse=off")
+    if mode == "auto" and device.type != "cuda":
+        return Fusion("off", "a CPU: compiling the layers costs minutes, more than it saves")
+    order = {"auto": ["liger", "compile"], "liger": ["liger", "compile"], "compile": ["compile"]}
+    reasons = []
+    for route in order[mode]:
+        check = _liger_refusal if route == "liger" else _compile_refusal
+        refused = check(model, device)
+        if refused is None:
+            reason = f"train.fuse={mode}: {route}"
+            return Fusion(route, "; ".join([*reasons, reason]))
+        reasons.append(f"{route} off: {refused}")
+    return Fusion("off", "; ".join(reasons))
+
+
+def apply_fusion(
+    mode: str, model: torch.nn.Module, device: torch.device, *, quiet: bool = False
+) -> Fusion:
+    """Apply `train.fuse` to `model` in place; the route taken is logged unless `quiet` (a
+    fallback from what was asked for as a warning)."""
+    fusion = choose_fusion(mode, model, device)
+    if fusion.route == "liger":
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(
+            model=model,
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=False,
+        )
+    elif fusion.route == "compile":
+        for layer in _decoder_layers(model):
+            # `Module.compile`: a deep copy of the model (the reference policy, an engine's copy)
+            # is left uncompiled, where a compiled bound `forward` would run the original's
+            layer.compile(dynamic=True)
+    asked_for_more = mode not in ("off", fusion.route) and not (
+        mode == "auto" and device.type != "cuda"
+    )
+    (log.warning if asked_for_more else log.info)(
+        "train.fuse: %s (%s)", fusion.route, fusion.reason
+    )
+    return fusion
