@@ -15,18 +15,27 @@ printed and written):
 
 - main: the default config (`train.packing=auto`, checkpointing off): one untimed warm-up step
   (printed: it pays CUDA's lazy loading, cuBLAS heuristics, allocator growth, AdamW's state and
-  any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU;
+  any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU; the
+  layout `auto` ran (read after the steps: it is chosen per step), its candidates and the cost
+  model's price of each against the cheapest for this batch;
 - profile: one warm step under torch.profiler: the top CUDA kernels and their share of the step;
-- fuse: the main config with each fused route of `train.fuse` (`liger`, `compile`; where this
-  weir has them), each on a fresh model (both patch the model in place);
+- fuse_compile: the main config with `train.fuse=compile`, on a fresh model (it compiles the
+  model's layers in place);
 - layouts: tokens/s of each micro-batch layout (`padded`, `prefix`, `packed`, and `varlen` where
-  this weir has it: detected by name in `train.packing`'s choices);
+  this weir has it: detected by name in `train.packing`'s choices) but the one main ran;
 - fixed: the main config on equal response lengths;
 - head: the main config with the reference log-prob/entropy functions instead of the fused kernel
   (where `train.logprob_kernel` exists);
 - checkpointing: the main config with `train.gradient_checkpointing=true`.
 - once: the LM-head statistics alone on `--head-rows` x V bfloat16 logits (forward + backward), each
   kernel against the reference functions: time, peak memory, largest differences.
+
+Then, after every shape and the Ray part, `fuse_liger` of each shape (the main config with
+`train.fuse=liger` on a fresh model), out of the share of that shape's budget kept for it: Liger
+0.8 replaces the transformers modeling module's classes and RoPE function for the whole process,
+so before weir scoped it to the trainer's modules (weir.train.liger_scope) every model built after
+it ran partly on Liger's kernels. Each run records whether a Liger patch was live in the process
+(`liger_in_process`).
 
 MFU, against the dense bf16 peak of the GPU (989 TFLOP/s for H100/H200), three ways:
 
@@ -57,8 +66,10 @@ import json
 import math
 import platform
 import shutil
+import sys
 import time
 import traceback
+from importlib import metadata
 from pathlib import Path
 from typing import Any, get_args
 
@@ -103,9 +114,14 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
     for name in ("transformers", "triton", "liger_kernel", "flash_attn", "ray"):
         try:
-            env[name] = getattr(importlib.import_module(name), "__version__", "?")
+            module = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - not installed, or broken: either way not usable
             env[name] = None
+            continue
+        try:
+            env[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            env[name] = getattr(module, "__version__", "?")
     if device.type == "cuda":
         env["device"] = torch.cuda.get_device_name(device)
         env["peak_bf16"] = next((v for k, v in PEAK_BF16.items() if k in env["device"]), None)
@@ -189,6 +205,39 @@ def build_model(shape: str, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def liger_in_process() -> bool:
+    """Whether a loaded transformers modeling module holds one of Liger's classes or functions
+    (Liger's process-wide patch: every model of that architecture built since runs them)."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("transformers.models."):
+            continue
+        for value in list(vars(module).values()):
+            if str(getattr(value, "__module__", "")).startswith("liger_kernel"):
+                return True
+    return False
+
+
+def layout_report(actor, batch, budget: int) -> dict[str, Any]:
+    """The layout the actor ran last, its candidates, and the cost model's price of each candidate
+    against the cheapest on `batch` (weir.train.layout_cost; {} in a weir without it)."""
+    layouts = getattr(actor, "layouts", None)
+    out: dict[str, Any] = {"layout": actor.layout}
+    if layouts is None or not hasattr(layouts, "prices"):
+        return out
+    from weir.train.layout_cost import cheapest_layout
+
+    out["candidates"] = list(layouts.candidates)
+    out["modelled"] = cheapest_layout(
+        layouts.candidates,
+        batch.sequences,
+        batch.response_lengths,
+        budget,
+        layouts.prices,
+        one_pass=layouts.one_pass,
+    )[1]
+    return out
+
+
 def fused_routes(model: torch.nn.Module, device: torch.device) -> list[str]:
     """The routes of `train.fuse` that would run as themselves here (not as a fallback), on a
     GPU only (a compile on a CPU costs minutes)."""
@@ -226,7 +275,7 @@ def run_config(
 
     cfg = build_config({}, overrides(args, shape, device, batch, **train))
     actor = Actor(model, ActorSettings.from_config(cfg))
-    out: dict[str, Any] = {"layout": actor.layout, "train": train}
+    out: dict[str, Any] = {"layout": None, "train": train}
     fusion = getattr(actor, "fusion", None)
     if fusion is not None:
         out["fusion"] = f"{fusion.route}: {fusion.reason}"
@@ -243,6 +292,8 @@ def run_config(
         out["step_s"] = [r[0] for r in runs]
         out["host_s"] = [r[1] for r in runs]
         out["grad_norm"] = runs[-1][2].get("train/grad_norm") if runs else None
+        out.update(layout_report(actor, batch, cfg.train.micro_batch_tokens))  # after the steps
+        out["liger_in_process"] = liger_in_process()
         if profile:
             out["profile"] = profile_step(actor, batch, device, args.top_kernels)
     finally:
@@ -277,7 +328,11 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.start)
 
 
-def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict[str, Any]:
+def measure_shape(
+    shape: str, args, device, env, budget: Budget, report, deferred: list
+) -> dict[str, Any]:
+    """Every part of `shape` but `fuse_liger`, which is appended to `deferred` as a callable that
+    runs it later, with the seconds of this shape's share kept for it (module docstring)."""
     from weir.train.batch import make_batch
 
     vocab = SHAPES[shape]["vocab_size"]
@@ -298,14 +353,16 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
     }
     real = batches["lognormal"]
     step_s = [0.0]
+    kept = [0.0]  # seconds of this share kept for the deferred Liger part
     layouts = [x for x in (train_choices("packing") or ()) if x != "auto"]
     kernels = train_choices("logprob_kernel")
 
-    def part(name: str, steps_cost: float, fn) -> None:
+    def part(name: str, steps_cost: float, fn, within: Budget | None = None) -> None:
         """Run `fn` unless the budget cannot take about `steps_cost` more main steps."""
         need = steps_cost * step_s[0] + 2.0
-        if budget.left() < need:
-            res[name] = {"skipped": f"budget ({budget.left():.0f} s left, ~{need:.0f} s needed)"}
+        left = within.left() if within is not None else budget.left() - kept[0]
+        if left < need:
+            res[name] = {"skipped": f"budget ({left:.0f} s left, ~{need:.0f} s needed)"}
             report["skipped"].append(f"{shape}/{name}")
             print(f"{shape} {name}: skipped (budget)", flush=True)
             return
@@ -341,22 +398,23 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
     if not step_s[0]:
         return res
     w, n = args.variant_warmup, args.variant_steps
-    for route in fused_routes(model, device):
 
-        def fused(route=route):  # a fresh model: both routes patch the model in place for good
-            return run_config(
-                build_model(shape, device),
-                shape,
-                real,
-                args,
-                device,
-                env,
-                warm=w,
-                steps=n,
-                fuse=route,
-            )
+    def fused(route: str):  # a fresh model: both routes change the model in place for good
+        return run_config(
+            build_model(shape, device), shape, real, args, device, env, warm=w, steps=n, fuse=route
+        )
 
-        part(f"fuse_{route}", (w + n) * 2 + (8 if route == "compile" else 2), fused)
+    routes = fused_routes(model, device)
+    if "liger" in routes:  # last of all (module docstring), out of this share
+        liger_cost = (w + n) * 2 + 2
+        kept[0] = liger_cost * step_s[0] + 2.0
+
+        def liger_later(seconds: float = kept[0]) -> None:
+            part("fuse_liger", liger_cost, lambda: fused("liger"), within=Budget(seconds))
+
+        deferred.append(liger_later)
+    if "compile" in routes:
+        part("fuse_compile", (w + n) * 2 + 8, lambda: fused("compile"))
     main_layout = res["main"]["layout"]
     res["layouts"] = {main_layout: "main"}
     for layout in layouts:
@@ -500,11 +558,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("no C compiler (cc/gcc): Triton and torch.compile cannot build kernels", flush=True)
     report: dict[str, Any] = {"env": env, "args": vars(args), "shapes": {}, "skipped": []}
     head_done = False
+    deferred: list = []  # the Liger parts, run last (module docstring)
     try:
         shapes = args.shapes.split(",")
         for i, shape in enumerate(shapes):  # each shape an equal share of what is left
             share = Budget(shapes_budget.left() / (len(shapes) - i))
-            report["shapes"][shape] = measure_shape(shape, args, device, env, share, report)
+            report["shapes"][shape] = measure_shape(
+                shape, args, device, env, share, report, deferred
+            )
             if not head_done and shapes_budget.left() > 20:
                 head_done = True
                 report["head"] = head_bench(
@@ -523,6 +584,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     traceback.print_exc(limit=5)
                     report["ray"] = {"error": f"{type(err).__name__}: {err}"[:400]}
             print("ray:", json.dumps(report["ray"], default=str), flush=True)
+        for later in deferred:
+            later()
     finally:
         report["targets"] = targets(report, device)
         report["elapsed_s"] = time.perf_counter() - budget.start

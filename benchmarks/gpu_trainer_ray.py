@@ -7,13 +7,20 @@ each with one untimed warm-up step and `--steps` timed ones:
 
 - local: weir's `Actor` in this process (what `cluster.type=local` runs);
 - one FSDP2 rank: `ShardedActor` on a process group of one in this process: FSDP2's own cost,
-  without Ray or offload;
+  without Ray or offload (what each rank of a larger group pays; a group of one no longer runs it);
 - ray: `cluster.type=ray` with `cluster.colocate=true` (trainer rank and engine on the one device,
-  the engine asleep with its weights parked while the trainer trains). Per step the driver's wall
-  time of `trainer.train` (what the loop waits for: the rank's onload of parameters and AdamW
-  state, its step, the offload of the AdamW state), the rank's own split (`time/onload`,
-  `time/train`, `time/offload`), then a weight sync in bfloat16 by memory handle: seconds per GB
-  of its delivery (`sync/deliver_s`) and of the whole sync with the parameters' offload after it.
+  the engine asleep with its weights parked while the trainer trains). A group of one rank trains
+  the plain `Actor` (weir.train.distributed.shards_model; `rank_sharded` says which ran). Per step
+  the driver's wall time of the engine's sleep, `trainer.train` and the engine's wake (what the
+  loop waits for), split into the sleep, the rank's onload of parameters and AdamW state, its step,
+  its offload of the AdamW state (`time/onload`, `time/train`, `time/offload`), the wake, and what
+  is left (Ray's call, the batch's pickling); then a weight sync in bfloat16 by memory handle:
+  seconds per GB of its delivery (`sync/deliver_s`) and of the whole sync with the parameters'
+  offload after it.
+
+Local and one FSDP2 rank each also run one step with the device synchronised around its phases
+(`split`: forwards and backwards, the rest of the updates, the rest of the step;
+gpu_timing.phase_split), and report the layout they ran (after the steps) with `auto`'s candidates.
 
 The targets of issue 35: the Ray step (driver wall) within 1.2x of the local one, the sync's
 delivery at most 0.1 s/GB.
@@ -29,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_timing import free, timed
-from gpu_trainer import MICRO_BATCH, SHAPES, make_groups
+from gpu_timing import free, phase_split, timed
+from gpu_trainer import MICRO_BATCH, SHAPES, layout_report, liger_in_process, make_groups
 
 
 def _save_model(shape: str, out: Path) -> Path:
@@ -86,10 +93,14 @@ def _overrides(args, shape: str, device: torch.device, batch, ray: bool) -> list
     return cfg
 
 
-def _steps(actor, batch, device, steps: int) -> dict[str, Any]:
+def _steps(actor, batch, device, steps: int, budget: int) -> dict[str, Any]:
     warm = timed(actor, batch, device)[0]
     runs = [timed(actor, batch, device)[0] for _ in range(steps)]
-    return {"warmup_s": warm, "step_s": runs, "mean_s": statistics.mean(runs)}
+    out = {"warmup_s": warm, "step_s": runs, "mean_s": statistics.mean(runs)}
+    out["split"] = phase_split(actor, batch, device)
+    out.update(layout_report(actor, batch, budget))  # after the steps: chosen per step
+    out["liger_in_process"] = liger_in_process()
+    return out
 
 
 def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) -> dict[str, Any]:
@@ -97,12 +108,16 @@ def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) ->
 
     from weir.train.actor import Actor, ActorSettings
 
+    # each contender compiles the fused head for itself: in the H200 run the FSDP2 rank, after the
+    # local actor in this process, hit dynamo's recompile limit and ran the head eagerly
+    torch._dynamo.reset()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     settings = ActorSettings.from_config(cfg)
+    budget = cfg.train.micro_batch_tokens
     if not sharded:
         actor = Actor(model, settings)
         try:
-            return {"layout": actor.layout, **_steps(actor, batch, device, steps)}
+            return _steps(actor, batch, device, steps, budget)
         finally:
             del actor, model
             free(device)
@@ -117,8 +132,7 @@ def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) ->
     )
     try:
         actor = ShardedActor(model, settings)
-        out = _steps(actor, batch, device, steps)
-        return {"layout": actor.layout, **out}
+        return _steps(actor, batch, device, steps, budget)
     finally:
         actor = model = None
         dist.destroy_process_group()
@@ -129,30 +143,43 @@ def _ray(model_dir: Path, cfg, batch, steps: int, run_dir: Path) -> dict[str, An
     from weir.loop.ray_build import build_ray
 
     parts = build_ray(cfg, run_dir, str(model_dir))
+    router = parts.router
     rows: list[dict[str, float]] = []
     try:
+        start = parts.trainer.start_stats()[0]
         for step in range(steps + 1):  # the first: warm-up (CUDA, cuBLAS, the first offload)
             t0 = time.perf_counter()
-            with parts.router.asleep():
+            if router.sleep_mode:  # what `router.asleep()` does around the step, timed apart
+                router.sleep_sync(router.sleep_offload_weights)
+            t1 = time.perf_counter()
+            try:
                 stats = parts.trainer.train(batch)
-            wall = time.perf_counter() - t0
+            finally:
+                t2 = time.perf_counter()
+                if router.sleep_mode:
+                    router.wake_sync()
+            t3 = time.perf_counter()
             sync = parts.sync.push(step + 1)
-            rows.append(
-                {
-                    "wall_s": wall,
-                    "train_s": stats.get("time/train", float("nan")),
-                    "onload_s": stats.get("time/onload", 0.0),
-                    "offload_s": stats.get("time/offload", 0.0),
-                    "sync_s": sync["time/sync"],
-                    "sync_deliver_s": sync["sync/deliver_s"],
-                    "sync_offload_s": sync.get("sync/offload_s", 0.0),
-                    "sync_gb": sync["sync/mb"] / 1024,
-                }
-            )
-            print("ray step:", {k: round(v, 4) for k, v in rows[-1].items()}, flush=True)
+            row = {
+                "wall_s": t3 - t0,
+                "sleep_s": t1 - t0,
+                "rank_call_s": t2 - t1,
+                "wake_s": t3 - t2,
+                "train_s": stats.get("time/train", float("nan")),
+                "onload_s": stats.get("time/onload", 0.0),
+                "offload_s": stats.get("time/offload", 0.0),
+                "sync_s": sync["time/sync"],
+                "sync_deliver_s": sync["sync/deliver_s"],
+                "sync_offload_s": sync.get("sync/offload_s", 0.0),
+                "sync_gb": sync["sync/mb"] / 1024,
+            }
+            # Ray's call around the rank's own work: the batch's pickling, the transfer, the reply
+            row["call_s"] = row["rank_call_s"] - row["onload_s"] - row["train_s"] - row["offload_s"]
+            rows.append(row)
+            print("ray step:", {k: round(v, 4) for k, v in row.items()}, flush=True)
     finally:
         parts.shutdown()
-    return {"warmup": rows[0], "steps": rows[1:]}
+    return {"rank_sharded": bool(start.get("sharded", 1.0)), "warmup": rows[0], "steps": rows[1:]}
 
 
 def measure(args, device: torch.device, seconds: float) -> dict[str, Any]:
@@ -191,10 +218,11 @@ def measure(args, device: torch.device, seconds: float) -> dict[str, Any]:
     wall = statistics.mean(r["wall_s"] for r in timed_rows)
     out["ray_over_local"] = wall / local
     out["ray_rank_train_over_local"] = statistics.mean(r["train_s"] for r in timed_rows) / local
-    # what the driver waited for beyond the rank's own work: Ray's call, the batch's pickling
-    out["ray_call_overhead_s"] = statistics.mean(
-        r["wall_s"] - r["onload_s"] - r["train_s"] - r["offload_s"] for r in timed_rows
-    )
+    # where the Ray step's time goes beyond the local step's (means over the timed steps)
+    parts = ("sleep_s", "onload_s", "train_s", "offload_s", "wake_s", "call_s")
+    out["ray_split_s"] = {k: statistics.mean(r[k] for r in timed_rows) for k in parts}
+    out["ray_split_s"]["local_step_s"] = local
+    out["ray_call_overhead_s"] = out["ray_split_s"]["call_s"]
     per_gb = sorted(r["sync_deliver_s"] / r["sync_gb"] for r in timed_rows)
     out["sync_s_per_gb"] = statistics.median(per_gb)
     out["sync_s_per_gb_runs"] = per_gb

@@ -1,6 +1,7 @@
 """The fused log-prob + entropy pass on CUDA, eager and torch.compile'd, against the reference
 functions on the same bfloat16 logits: values within 1e-4 nats (both accumulate in float32 over a
-32k vocabulary, in other orders), gradients within one bfloat16 rounding (the gradient is bf16).
+32k vocabulary, in other orders), gradients within one bfloat16 rounding of the exact gradient
+(the reference within its three).
 The compiled kernel needs Triton and a C compiler; where they are missing its tests skip, saying
 why (`compile_status`)."""
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.head_rounding import excess
 from tests.toy import toy_groups
 from weir.algo import entropy_from_logits, logprobs_from_logits, token_logprobs_and_entropy
 from weir.algo.entropy import compile_status
@@ -69,10 +71,14 @@ def test_fused_head_equals_the_reference_in_bfloat16(kernel, t, entropy):
     assert got[2].dtype == torch.bfloat16 and torch.isfinite(got[2].float()).all()
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
-    # one bf16 rounding of nearly equal float32 values (the reference adds two bf16 gradients
-    # when the entropy trains: two roundings)
-    rtol = 2**-7 if entropy == "value" else 2**-6
-    torch.testing.assert_close(got[2].float(), want[2].float(), atol=1e-6, rtol=rtol)
+    # against the exact (float64) gradient: the fused head's within one bf16 rounding, the
+    # reference's within its three (it rounds its two terms apart and adds them in bf16; where
+    # they cancel that is far more than a relative tolerance on the result allows: the first GPU
+    # run saw 0.008% of the elements off by up to 0.0078); tests/head_rounding.py
+    r = excess({"got": got[2], "reference": want[2]}, base, ids, w, t, entropy == "grad")
+    assert r["got"]["one"] <= 1.0, r
+    assert r["reference"]["three"] <= 1.0, r
+    assert r["got"]["mean"] <= r["reference"]["mean"] * (1 + 1e-6), r
     assert (got[2][:, 7] == 0).all()
 
 

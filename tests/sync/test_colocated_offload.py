@@ -2,7 +2,9 @@
 
 Run here in one process (a gloo group of one rank) with the offload switched on and the moves
 recorded: on a CPU there is no second memory to move to (tests/gpu/test_colocated_ray.py measures
-the device memory on a GPU)."""
+the device memory on a GPU). A group of one trains the plain `Actor`; the same moves hold for an
+FSDP2-sharded rank (`sharded`: what a rank of a larger group, or one with
+train.offload_optimizer, runs)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import weir.sync.endpoints as endpoints
+import weir.train.distributed as distributed
 from tests.toy import toy_groups
 from weir.config import build_config
 from weir.sync.broadcast import plan_buckets
@@ -19,8 +22,10 @@ from weir.train.batch import make_batch
 from weir.train.distributed import RankSettings, free_port
 
 
-@pytest.fixture
-def recorded_rank(tiny_model_dir, monkeypatch):
+@pytest.fixture(params=["plain", "sharded"])
+def recorded_rank(request, tiny_model_dir, monkeypatch):
+    if request.param == "sharded":
+        monkeypatch.setattr(distributed, "shards_model", lambda world, train: True)
     cfg = build_config(
         {},
         [
@@ -98,5 +103,9 @@ def test_one_rank_streams_its_weights_without_a_gather(recorded_rank):
     state = rank._sharded()
     buckets = plan_buckets(rank.layout("bfloat16"), 2**16)
     flats = list(gather_buckets(state, buckets, torch.device("cpu"), root=True))
-    want = torch.cat([state[m.name].to_local().reshape(-1) for b in buckets for m in b])
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    want = torch.cat([local(state[m.name]).reshape(-1) for b in buckets for m in b])
     assert torch.equal(torch.cat(flats), want.to(torch.bfloat16))
+    # every parameter once: the tied embedding and LM head are one tensor on the wire
+    params = {id(p): p for p in rank.actor.model.parameters()}.values()
+    assert want.numel() == sum(p.numel() for p in params)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.adam_compare import adam_denominators, assert_adamw_weights_agree
 from tests.toy import toy_groups
 from weir.config import build_config
 from weir.config.sections import DistillConfig
@@ -139,22 +140,31 @@ def test_advantage_and_loss_modes_take_the_same_first_update(tiny_model_dir, tea
         )
         stats = actor.train(_batch(actor))
         assert stats["distill/reverse_kl"] != 0
+        params = list(actor.model.parameters())
         after[mode] = (
             stats["train/grad_norm"],
-            [p.detach().clone() for p in actor.model.parameters()],
+            torch.cat([p.detach().reshape(-1) for p in params]),
+            adam_denominators(actor.optimizer, params),
         )
     assert after["advantage"][0] == pytest.approx(after["loss"][0], rel=1e-5)
-    for a, b in zip(after["advantage"][1], after["loss"][1], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    # the two gradients differ by rounding (another order of the same sums): AdamW's first step
+    # lr * g / (|g| + eps) is compared where |g| is well above eps (tests/adam_compare.py)
+    assert_adamw_weights_agree(
+        after["advantage"][1],
+        after["loss"][1],
+        torch.minimum(after["advantage"][2], after["loss"][2]),
+        lr=1e-3,
+    )
 
 
 def test_the_reference_as_teacher_of_itself_moves_nothing(tiny_model_dir):
     """The student equals its teacher (the reference, at the student's temperature 1): every
-    reverse KL is 0, so with no task reward the gradient is exactly 0."""
+    reverse KL is 0, so with no task reward the gradient is 0 up to the rounding between the
+    student's and the teacher's forward passes (a few 1e-6; a real teacher gives ~1.3 here)."""
     actor = _actor(tiny_model_dir, "algo.distill.teacher=reference")
     stats = actor.train(_batch(actor))
     assert stats["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-6)
-    assert stats["train/grad_norm"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["train/grad_norm"] == pytest.approx(0.0, abs=1e-4)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):

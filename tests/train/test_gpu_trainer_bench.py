@@ -85,6 +85,9 @@ def test_the_cpu_run_writes_every_part(bench, tmp_path):
     assert main["tok_s"] > 0 and len(main["step_s"]) == 1 and main["warmup_s"]
     assert main["mfu_model"] is None  # no bf16 peak on a CPU
     assert tiny["profile"]["top"] and tiny["profile"]["wall_s"] > 0
+    # the layout auto ran (read after the steps, not its first candidate) and the model's prices
+    assert main["layout"] in main["candidates"] and main["modelled"][main["layout"]] == 1.0
+    assert main["liger_in_process"] is False
     for layout in ("padded", "prefix", "packed", "varlen"):
         row = tiny["layouts"][layout]
         assert row == "main" or row["tok_s"] > 0, (layout, row)

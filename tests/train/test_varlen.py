@@ -123,8 +123,16 @@ def _arch(name: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@pytest.mark.parametrize("body", ["per sequence", "flash call"])
 @pytest.mark.parametrize("name", ACCEPTED)
-def test_varlen_equals_padded_on_real_architectures(name):
+def test_varlen_equals_padded_on_real_architectures(name, body, monkeypatch):
+    """`flash call`: the CUDA path's arguments (the window as the kernel's `window_size`, MLA's
+    value heads zero-padded to the query/key head dim under the qk head dim's scale and cut back,
+    grouped-query heads expanded) through a stand-in for torch 2.11's kernel that computes its
+    documented semantics per sequence (`_fake_varlen_attn`), in float32."""
+    if body == "flash call":
+        monkeypatch.setattr(varlen, "_kernel", lambda: _fake_varlen_attn("2.11"))
+        monkeypatch.setattr(varlen, "flash_runs", lambda *a: True)
     model = _arch(name)
     assert model.config._attn_implementation == "sdpa"
     assert varlen_supported(model)[0]

@@ -302,6 +302,7 @@ def _grad_chunk(
 
 _compiled: dict[str, Callable[..., Any]] = {}
 _compile_failure: list[str] = []  # why the compiled kernels failed once in this process
+_COMPILE_OPTIONS: dict[str, Any] = {"dynamic": True}  # torch.compile's (tests swap the backend)
 
 
 def compile_status(device: torch.device | str) -> str:
@@ -324,14 +325,25 @@ def compile_status(device: torch.device | str) -> str:
 
 def _call(fn: Callable[..., Any], compiled: bool, *args: Any) -> Any:
     """`fn(*args)`, `torch.compile`d when `compiled`; a compiler failure (not an out-of-memory)
-    is logged once and the eager function runs from then on."""
-    if not compiled or _compile_failure:
+    is logged once and the eager function runs from then on.
+
+    One graph per function and branch (entropy or not, its gradient or not), whatever the row
+    counts, the layout the logits came from and the caller's modes: the row count is dynamic, and
+    what the compiled function would otherwise guard on is kept out of its view. A chunk of one
+    row runs eagerly (dynamo specialises a size of 1); tensors are passed detached (a view makes
+    it guard on its base's shape, which differs between a packed row and padded rows, and on
+    `requires_grad`; the detached alias shares the memory, so `out` is still written in place);
+    autocast is off inside (it is a guarded global state, and the chunk computes in float32 by
+    itself)."""
+    if not compiled or _compile_failure or args[0].shape[0] < 2:
         return fn(*args)
     cfn = _compiled.get(fn.__name__)
     if cfn is None:
-        cfn = _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+        cfn = _compiled[fn.__name__] = torch.compile(fn, **_COMPILE_OPTIONS)
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     try:
-        return cfn(*args)
+        with torch.autocast(args[0].device.type, enabled=False):
+            return cfn(*args)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - any compiler error: the eager code computes the same

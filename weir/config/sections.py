@@ -286,6 +286,12 @@ class TrainConfig(Section):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """dtype of the forward/backward matmuls (autocast locally, FSDP2 MixedPrecisionPolicy on Ray).
     `auto`: bfloat16 on CUDA, float32 on CPU."""
+    mixed_precision: Literal["autocast", "compute_copy"] = "autocast"
+    """How one trainer process computes in a `compute_dtype` narrower than its float32 masters:
+    `autocast` (torch.autocast: float32 residual stream, each linear casts its input and weight);
+    `compute_copy` (forward and backward on a bf16 copy of the weights made at each update, bf16
+    residual stream, gradients accumulated into the float32 masters: FSDP2's mixed precision, which
+    Ray ranks always use; +2 bytes per parameter during a step; docs/trainer-step.md)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory for about one more forward's compute."""

@@ -40,6 +40,7 @@ from weir.sandbox import configure as configure_sandbox
 from weir.tasks import get_task
 from weir.train.actor import Actor, ActorSettings
 from weir.train.critic import Critic, CriticSettings, load_value_model
+from weir.train.liger_scope import strip_liger
 from weir.train.lora import save_final_model
 from weir.train.model import eos_token_ids, load_model, resolve_model_path
 from weir.train.precision import Precision, setup_device
@@ -269,6 +270,7 @@ def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEng
         or (p.device, p.dtype) != (device, dtype)
     ):
         model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        strip_liger(model)  # train.fuse=liger fused the trainer's modules, not the engine's
     options = dict(
         eos_token_ids=eos_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,

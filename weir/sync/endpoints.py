@@ -201,8 +201,9 @@ class SyncTrainerRank(TrainerRank):
         }
 
     def _sharded(self, role: str = "") -> dict[str, torch.Tensor]:
-        """What the engines of `role` load, by name, as this rank's shards (DTensors; no gather),
-        tied tensors once: the policy's weights, or a LoRA policy's merged ones (`Derived`)."""
+        """What the engines of `role` load, by name, as this rank's shards (DTensors; no gather;
+        whole tensors on a group of one rank), tied tensors once: the policy's weights, or a LoRA
+        policy's merged ones (`Derived`)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         from weir.train.lora import is_lora

@@ -43,11 +43,18 @@ class Derived:
 
 def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` without the second name of a tied tensor (an engine of the same class has the same
-    ties, so loading one name loads both)."""
-    seen: set[int] = set()
+    ties, so loading one name loads both). A model's state dict gives each name a tensor object of
+    its own, so a tie is told by the memory the two hold (this rank's shard of a DTensor); a rank
+    whose shard is empty keeps both names, which costs nothing since only rank 0's names are sent.
+    A `Derived` tensor (a LoRA layer's merged weight) holds no memory: it is told by its object."""
+    seen: set[object] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        key = id(t)
+        key: object = id(t)
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, torch.Tensor) and local.numel():
+            where = (local.untyped_storage().data_ptr(), local.storage_offset(), local.stride())
+            key = (*where, t.shape, t.dtype)
         if key in seen:
             continue
         seen.add(key)

@@ -76,6 +76,8 @@ class Actor(ProcessHooks):
         self._warned_max_len = False
         self.precision = self._precision(model)
         self.device = self.precision.device
+        # train.mixed_precision=compute_copy: forwards and backwards on a compute-dtype copy
+        self._copy = self._compute_copy(model)
         # train.memory=plan: checkpointing and the micro-batch budget from the memory model
         self.tcfg = planned_train_config(self.tcfg, model, self.device, self.precision)
         self.model = prepare_for_training(model, checkpointing=self.tcfg.gradient_checkpointing)
@@ -144,7 +146,7 @@ class Actor(ProcessHooks):
     ):
         """Response log-probs of one micro-batch in the configured layout, compute dtype and
         log-prob kernel (or `layout` and `temperature`: a distillation teacher's)."""
-        with self.precision.autocast(), logprob_kernel(self.tcfg.logprob_kernel):
+        with self._computing(model), logprob_kernel(self.tcfg.logprob_kernel):
             return response_logprobs(
                 model,
                 seqs,
@@ -180,22 +182,23 @@ class Actor(ProcessHooks):
         batch = batch.to(self.device)
         out = torch.zeros_like(batch.response_mask)
         seqs, lens, vis = batch.sequences, batch.response_lengths, batch.visions
-        for idx in self._micro_batches(list(range(len(seqs))), seqs, lens, layout):
-            if not idx:
-                self._idle_pass(model, backward=False, layout=layout)
-                continue
-            with span("logprobs", cat="train", sequences=len(idx)):
-                res = self._forward(
-                    model,
-                    [seqs[i] for i in idx],
-                    [lens[i] for i in idx],
-                    layout=layout,
-                    temperature=temperature,
-                    pad_to=out.shape[1],
-                    visions=[vis[i] for i in idx],
-                    routes=self._routes(batch, idx) if replay else None,
-                )
-            out[idx] = res.logprobs
+        with self._computing(model):  # one compute copy for every micro-batch
+            for idx in self._micro_batches(list(range(len(seqs))), seqs, lens, layout):
+                if not idx:
+                    self._idle_pass(model, backward=False, layout=layout)
+                    continue
+                with span("logprobs", cat="train", sequences=len(idx)):
+                    res = self._forward(
+                        model,
+                        [seqs[i] for i in idx],
+                        [lens[i] for i in idx],
+                        layout=layout,
+                        temperature=temperature,
+                        pad_to=out.shape[1],
+                        visions=[vis[i] for i in idx],
+                        routes=self._routes(batch, idx) if replay else None,
+                    )
+                out[idx] = res.logprobs
         return self._combine_rows(out)
 
     @property
@@ -465,11 +468,13 @@ class Actor(ProcessHooks):
         runs = [(idx, False) for idx in self._micro_batches(rest, seqs, lens)] if rest else []
         if live:
             runs += [(idx, True) for idx in self._micro_batches(live, seqs, lens)]
-        for idx, grad in runs:
-            if idx:
-                self._micro_step(step, idx, grad)
-            else:
-                self._idle_pass(self.model, backward=grad)
+        # one compute copy for every micro-batch; its gradients are in the masters when it ends
+        with self._computing(self.model):
+            for idx, grad in runs:
+                if idx:
+                    self._micro_step(step, idx, grad)
+                else:
+                    self._idle_pass(self.model, backward=grad)
         if not live:  # a zero gradient, on which AdamW still steps (its moments decay)
             self._settle()
             for p in self.model.parameters():

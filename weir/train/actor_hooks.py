@@ -5,10 +5,12 @@ combining rows and metrics across ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 
+from weir.train.compute_copy import ComputeCopy, cast_parameters
 from weir.train.layout_cost import LayoutChoice, layout_choice
 from weir.train.packing import Layout, exact_layouts, micro_batches
 from weir.train.precision import Precision
@@ -19,12 +21,42 @@ class ProcessHooks:
 
     def _precision(self, model: torch.nn.Module) -> Precision:
         """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`
-        applied with autocast (a no-op when it is not narrower than the parameters)."""
+        applied with autocast or on a compute-dtype copy (`train.mixed_precision`; a no-op when
+        it is not narrower than the parameters)."""
         p = next(model.parameters())
-        compute = Precision.from_config(self.tcfg, device=p.device).compute_dtype
-        if p.dtype == torch.bfloat16:
-            compute = torch.bfloat16
-        return Precision(p.device, p.dtype, compute)
+        asked = Precision.from_config(self.tcfg, device=p.device)
+        compute = torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype
+        return Precision(p.device, p.dtype, compute, asked.copy)
+
+    def _compute_copy(self, model: torch.nn.Module) -> ComputeCopy | None:
+        """The policy's compute-dtype copy with `train.mixed_precision: compute_copy` (None under
+        autocast, without mixed precision, and on FSDP2 ranks, whose shards FSDP2 casts)."""
+        if not (self.precision.mixed and self.precision.copy):
+            return None
+        return ComputeCopy(model, self.precision.compute_dtype)
+
+    def _computing(self, model: object) -> contextlib.AbstractContextManager:
+        """The context a forward (and its backward) of `model` runs in: the policy's compute copy
+        active (the policy, or a view of it such as LoRA's adapters-off reference); nothing more
+        for a frozen model already held in the compute dtype (`_frozen`); else autocast (a no-op
+        without mixed precision)."""
+        copy_ = getattr(self, "_copy", None)
+        if copy_ is None:
+            return self.precision.autocast()
+        if copy_.covers(model):
+            return copy_.active()
+        first = next(iter(model.parameters()), None)  # type: ignore[attr-defined]
+        if first is not None and first.dtype == self.precision.compute_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.precision.compute_dtype)
+
+    def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model (the reference, a teacher) as the policy computes: with a compute copy,
+        its parameters cast to the compute dtype once (what FSDP2's cast of its shards gives, at
+        half the memory of float32); else as it is."""
+        if getattr(self, "_copy", None) is None:
+            return model
+        return cast_parameters(model, self.precision.compute_dtype)
 
     @property
     def layouts(self) -> LayoutChoice:
@@ -39,7 +71,7 @@ class ProcessHooks:
         return self.layouts.current
 
     def _choose_layouts(self) -> LayoutChoice:
-        with self.precision.autocast():
+        with self._computing(self.model):
             candidates = exact_layouts(
                 self.model,
                 self.tcfg.packing,
@@ -56,14 +88,14 @@ class ProcessHooks:
 
     def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
         """The frozen reference policy for KL: a copy of the initial model."""
-        return copy.deepcopy(model).eval().requires_grad_(False)
+        return self._frozen(copy.deepcopy(model).eval().requires_grad_(False))
 
     def _load_teacher(self, path: str) -> torch.nn.Module:
         """A distillation teacher from a model directory, frozen, in the policy's device and dtype."""
         from weir.train.model import load_model
 
         teacher, _ = load_model(path, self.precision.param_dtype, self.device)
-        return teacher.eval().requires_grad_(False)
+        return self._frozen(teacher.eval().requires_grad_(False))
 
     @property
     def is_first_rank(self) -> bool:

@@ -30,6 +30,7 @@ from weir.config import Config
 from weir.config.schema import CriticConfig, TrainConfig
 from weir.telemetry.timeline import span
 from weir.train.batch import TrainBatch
+from weir.train.compute_copy import ComputeCopy
 from weir.train.model import load_model, resolve_model_path
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
@@ -169,9 +170,19 @@ class Critic:
             prepare_for_training(model.backbone, checkpointing=self.tcfg.gradient_checkpointing)
         self.model = model
         p = next(model.parameters())
-        compute = Precision.from_config(self.tcfg, device=p.device).compute_dtype
+        asked = Precision.from_config(self.tcfg, device=p.device)
         self.precision = Precision(
-            p.device, p.dtype, torch.bfloat16 if p.dtype == torch.bfloat16 else compute
+            p.device,
+            p.dtype,
+            torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype,
+            asked.copy,
+        )
+        # train.mixed_precision=compute_copy: as the actor (a shared backbone is copied for the
+        # critic's passes, outside the actor's)
+        self._copy = (
+            ComputeCopy(model, self.precision.compute_dtype)
+            if self.precision.mixed and self.precision.copy
+            else None
         )
         self.device = p.device
         self.layout: Layout = self._choose_layout(model)
@@ -222,9 +233,13 @@ class Critic:
             for local in micro_batches([len(seqs[i]) for i in indices], budget, self.layout)
         ]
 
+    def _computing(self):
+        """The compute copy active, or autocast (`train.mixed_precision`)."""
+        return self._copy.active() if self._copy is not None else self.precision.autocast()
+
     def _forward(self, batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor:
         seqs, lens = batch.sequences, batch.response_lengths
-        with self.precision.autocast():
+        with self._computing():
             return response_values(
                 self.model,
                 [seqs[i] for i in idx],
@@ -246,12 +261,13 @@ class Critic:
         width = batch.response_mask.shape[1]
         out = torch.zeros(len(batch), width, device=self.device)
         seqs = batch.sequences
-        for idx in self._micro_batches(list(range(len(seqs))), seqs):
-            if not idx:
-                self._idle_pass(backward=False)
-                continue
-            with span("values", cat="train", sequences=len(idx)):
-                out[idx] = self._forward(batch, idx, width)
+        with self._computing():
+            for idx in self._micro_batches(list(range(len(seqs))), seqs):
+                if not idx:
+                    self._idle_pass(backward=False)
+                    continue
+                with span("values", cat="train", sequences=len(idx)):
+                    out[idx] = self._forward(batch, idx, width)
         out = self._combine_rows(out)
         m = mask.bool()
         bad = (~torch.isfinite(out) & m).any(1)
@@ -312,7 +328,7 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         width, loss_sum, finite = m.shape[1], 0.0, True
         clipped = error = 0.0
-        with grad_mode(self.model.backbone, self.tcfg.gradient_checkpointing):
+        with grad_mode(self.model.backbone, self.tcfg.gradient_checkpointing), self._computing():
             for idx in self._micro_batches(mb, batch.sequences):
                 if not idx:
                     self._idle_pass(backward=True)

@@ -6,6 +6,11 @@ split a batch and sum their gradients) on the meta device and reads only its own
 weights (weir.train.meta_init), trains, gathers full weights for the engines, and saves / loads
 sharded checkpoints with torch.distributed.checkpoint (weir.train.sharded_checkpoint).
 `TrainerGroup` is the driver's side: it calls every rank and returns rank 0's answer.
+
+A group of one rank (a colocated trainer on one GPU) trains the plain `Actor`, the very step of
+`cluster.type=local`, rather than FSDP2 over a world of one (`shards_model`): the same checkpoints
+(DCP reshards whole tensors into N ranks' shards and back), weight sync and offload. (A LoRA
+policy and a critic are FSDP2-sharded on any group, one rank included: weir.train.rank_build.)
 """
 
 from __future__ import annotations
@@ -30,10 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from weir.config import Config
 from weir.config.sections import ClusterConfig, LoraConfig, TrainConfig
-from weir.train.actor import ActorSettings
+from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
 from weir.train.precision import Precision, setup_device
-from weir.train.sharded_actor import ShardedActor
 from weir.train.sharded_checkpoint import load_shards, save_shards
 
 if TYPE_CHECKING:
@@ -56,6 +60,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def shards_model(world: int, train: TrainConfig) -> bool:
+    """Whether a trainer group of `world` ranks shards its model with FSDP2.
+
+    One rank does not: FSDP2 over a world of one computes the plain `Actor`'s step and adds its
+    own work to it (each layer's parameters copied and cast in the forward and again in the
+    backward, gradients cast and passed through the reduction, DTensor dispatch in the optimizer,
+    its hooks; on an H200 its step took 1.95x the local one, docs/gpu.md), where the plain `Actor`
+    is the local step itself. Except with `train.offload_optimizer`: the plain actor's
+    `OffloadedAdamW` steps host copies of the parameters, which torch.distributed.checkpoint
+    cannot name, where FSDP2's CPU offload keeps checkpoints and trainer state by name."""
+    return world > 1 or train.offload_optimizer
 
 
 @dataclass(frozen=True)
@@ -112,16 +129,17 @@ class TrainerRank:
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here
         self.device = "cuda:0" if settings.cluster.trainer.gpus_per_rank > 0 else "cpu"
         torch.set_num_threads(settings.threads)
-        self.policies: dict[str, ShardedActor] = {}  # "" for the one policy, else by role
+        self.sharded = shards_model(world, settings.train)
+        self.policies: dict[str, Actor] = {}  # "" for the one policy, else by role
         self.critics: dict[str, Any] = {}  # algo.advantage=gae: each policy's critic
         self.start: dict[str, float] = {}
 
     @property
-    def actor(self) -> ShardedActor | None:
+    def actor(self) -> Actor | None:
         """The policy of a run with one (the first role's with separate policies)."""
         return next(iter(self.policies.values()), None)
 
-    def policy(self, role: str = "") -> ShardedActor:
+    def policy(self, role: str = "") -> Actor:
         """The policy of `role` ("" with one policy)."""
         try:
             return self.policies[role]
@@ -135,7 +153,9 @@ class TrainerRank:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, host: str, port: int) -> int:
-        """Join the trainer group and build the sharded policies (and critics); returns this rank."""
+        """Join the trainer group and build the policies (and critics); returns this rank. A
+        full-weight policy is sharded unless the group is one rank (`shards_model`); LoRA
+        policies and critics are always FSDP2-sharded (weir.train.rank_build)."""
         from weir.train.rank_build import build_critic, build_policy
 
         on_gpu = self.device.startswith("cuda")
@@ -164,7 +184,8 @@ class TrainerRank:
         return self.rank
 
     def start_stats(self) -> dict[str, float]:
-        """How this rank started: `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
+        """How this rank started: `sharded` (1: FSDP2, 0: the plain `Actor` of a group of one
+        rank), `meta` (1: meta device, 0: whole model loaded), `peak_rss_mb`
         (peak resident memory growth while building the actor), `shard_mb` (its weight shard),
         `read_mb` (bytes read from the model files)."""
         return dict(self.start)

@@ -3,11 +3,12 @@ SiLU x up, their casts, run as a few fused kernels instead of dozens of memory-b
 
 Two routes, each applied to the trainer's model in place before its first forward:
 
-- `liger`: Liger's Triton kernels (`liger-kernel`, the `weir[liger]` extra) for RMSNorm, RoPE and
-  SwiGLU on the architectures it covers and weir has checked (`LIGER_ARCHS`); no compiler besides
-  Triton's, CUDA only. Liger swaps the modules' forwards and, for RoPE and new instances, the
-  modeling module's functions and classes (process-wide: an engine in the same process uses them
-  too). Its log-prob and loss kernels are not used: the trainer computes its own.
+- `liger`: Liger's Triton kernels (`liger-kernel`, the `weir[liger]` extra) for RMSNorm and SwiGLU
+  on the architectures it covers and weir has checked (`LIGER_ARCHS`); no compiler besides
+  Triton's, CUDA only. They replace the forwards of the trainer's own modules only: what Liger
+  also replaces in the modeling module, for the whole process, is put back (RoPE with it), and an
+  engine's copy of the model runs the plain modules (weir.train.liger_scope). Its log-prob and loss
+  kernels are not used: the trainer computes its own.
 - `compile`: regional `torch.compile` of each decoder layer (`Module.compile`: one compiled graph
   shared by all layers, the token dimension dynamic): any architecture, but Inductor needs a C compiler
   (and Triton on CUDA) and tens of seconds to compile at the first step.
@@ -30,8 +31,10 @@ log = logging.getLogger(__name__)
 
 LIGER_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2")
 """`model_type`s whose Liger kernels compute what the Hugging Face modules compute (RMSNorm in
-float32 cast back as Llama's does, rotate-half RoPE, SiLU-gated MLP)."""
+float32 cast back as Llama's does, SiLU-gated MLP)."""
 COMPILERS = ("cc", "gcc", "clang")
+COMPILE_OPTIONS: dict = {"dynamic": True}
+"""`Module.compile`'s options for the `compile` route (tests swap in a counting backend)."""
 
 
 @dataclass(frozen=True)
@@ -99,21 +102,14 @@ def apply_fusion(
     fallback from what was asked for as a warning)."""
     fusion = choose_fusion(mode, model, device)
     if fusion.route == "liger":
-        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+        from weir.train.liger_scope import apply_liger
 
-        _apply_liger_kernel_to_instance(
-            model=model,
-            rope=True,
-            rms_norm=True,
-            swiglu=True,
-            cross_entropy=False,
-            fused_linear_cross_entropy=False,
-        )
+        apply_liger(model)
     elif fusion.route == "compile":
         for layer in _decoder_layers(model):
             # `Module.compile`: a deep copy of the model (the reference policy, an engine's copy)
             # is left uncompiled, where a compiled bound `forward` would run the original's
-            layer.compile(dynamic=True)
+            layer.compile(**COMPILE_OPTIONS)
     asked_for_more = mode not in ("off", fusion.route) and not (
         mode == "auto" and device.type != "cuda"
     )

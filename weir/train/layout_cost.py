@@ -25,6 +25,18 @@ Memory is bounded alike: each layout's micro-batches hold at most `train.micro_b
 computed tokens, padding included, so activations and logits per micro-batch stay within the same
 budget (prefix's gathered prompt KV adds ``b P 2 layers H_kv d_h`` values, under 1% of the
 activations for grouped-query models).
+
+The GPU prices (`SOFTMAX_FACTOR`, `masked_attn` 2.0, `GPU_PASS_TOKENS`) against the one GPU
+measurement there is (benchmarks/gpu_trainer.py on an H200, 2026-11-27, docs/gpu.md: the
+Qwen2.5-0.5B shape, 128 samples with lognormal responses, 58,688 tokens in micro-batches of 16,384):
+the model puts padded at 1.32x varlen and the one-pass prefix at 1.98x; measured, padded took
+0.936 s against 0.702-0.711 s for varlen (1.32-1.33x), and `auto` ran varlen. The 1.5B figures of
+that run are left out (every model there ran partly on Liger's kernels, which the run's earlier
+`train.fuse=liger` part had patched in process-wide: 1.28x measured, 1.17x modelled), and prefix was
+not measured (the run took `auto`'s first candidate for the layout it ran); the benchmark now
+writes the modelled prices beside each measured layout. `SOFTMAX_FACTOR` between 1 (the compiled
+fused head's passes cost about its matmul) and 4 moves the 0.5B ratio by 0.03, within the run's
+noise, and changes no choice on the batches of tests/train/test_layout_cost.py.
 """
 
 from __future__ import annotations
@@ -43,7 +55,8 @@ SOFTMAX_FACTOR = 4.0
 """``s`` above: the vocabulary-wide log-prob and entropy passes of a head row against its matmul.
 Bandwidth-bound on a GPU (about 144 bytes per logit unfused, docs/trainer-step.md)."""
 GPU_PASS_TOKENS = 1024
-"""One more forward and backward on a GPU, in tokens: its kernel launches (not measured)."""
+"""One more forward and backward on a GPU, in tokens: its kernel launches (not measured apart; see
+the module docstring for what the GPU prices were checked against)."""
 SEQUENCE_CALL_TOKENS = 14
 """varlen's per-sequence SDPA body (a CPU, float32): one sequence's attention call in one layer,
 forward and backward, in tokens. Measured on weir's tiny model on a CPU (benchmarks/layouts.py:

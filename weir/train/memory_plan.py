@@ -10,19 +10,22 @@ What a training micro-batch of T tokens holds on the device, beyond the model's 
                                                                     activations during recompute)
 
 with, per token of a Llama-family decoder layer (d hidden, f MLP width, H_q / H_kv heads of d_h,
-p the parameter dtype's bytes, c the compute dtype's; under autocast the residual stream and the
-RMSNorms stay in the parameter dtype and each linear saves its own cast of its input):
+p the parameter dtype's bytes, c the compute dtype's, r the residual stream's: under autocast the
+residual stream and the RMSNorms stay in the parameter dtype (r = p) and each linear saves its own
+cast of its input; on a compute copy (`train.mixed_precision: compute_copy`) they are in the
+compute dtype (r = c) and nothing is cast):
 
-    per_layer = 6 d p                  two RMSNorms (normalised input and output) and two residuals
+    per_layer = 6 d r                  two RMSNorms (normalised input and output) and two residuals
               + 5 d c                  the casts of the norms' outputs for q, k, v, gate, up (autocast)
               + (H_q + 2 H_kv) d_h c   q, k (after RoPE) and v, saved by attention
               + 2 H_q d_h c            attention's output and its contiguous copy for o_proj
               + 4 f c                  gate, SiLU(gate), up, SiLU(gate) * up
-              + 2 (H_q + H_kv) d_h p   with QK-norm (Qwen3, OLMo 2): its input and output
+              + 2 (H_q + H_kv) d_h r   with QK-norm (Qwen3, OLMo 2): its input and output
 
 and `head` = 2 V c per response row (the logits and their gradient; one row per token at worst).
 The model's state is 4 + 4 + 8 bytes per parameter in float32 (weights, gradients, AdamW's two
-moments) plus c per parameter for the compute-dtype weight copies autocast keeps during a forward.
+moments) plus c per parameter for the compute-dtype weight copies (autocast's cache during a
+forward, or the compute copy during a step).
 `plan` turns checkpointing off when the configured budget's activations fit in the free memory with
 a margin, and sizes the budget to the largest power of two that fits (checked against allocations
 counted on a CPU by tests/train/test_memory_plan.py).
@@ -51,12 +54,19 @@ class MemoryModel:
     hidden: int
     head: float
     state: float
-    param_bytes: int
+    residual_bytes: int
 
     @classmethod
     def for_model(
-        cls, model: torch.nn.Module, param_dtype: torch.dtype, compute_dtype: torch.dtype
+        cls,
+        model: torch.nn.Module,
+        param_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        *,
+        copy: bool = False,
     ) -> MemoryModel:
+        """The model for `model` computing in `compute_dtype` on `param_dtype` weights, under
+        autocast or (`copy`) on a compute-dtype copy of them."""
         cfg = model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         d, f = int(cfg.hidden_size), int(cfg.intermediate_size)
@@ -65,10 +75,12 @@ class MemoryModel:
         hd = int(getattr(cfg, "head_dim", None) or d // hq)
         p = torch.finfo(param_dtype).bits // 8
         c = torch.finfo(compute_dtype).bits // 8
-        cast = c if compute_dtype != param_dtype else 0
-        per_layer = 6 * d * p + 5 * d * cast + (hq + 2 * hkv) * hd * c + 2 * hq * hd * c + 4 * f * c
-        if _has_qk_norm(model):  # Qwen3, OLMo 2: RMSNorms of q and k, in the parameter dtype
-            per_layer += 2 * (hq + hkv) * hd * p
+        mixed = compute_dtype != param_dtype
+        cast = c if mixed and not copy else 0
+        r = c if copy else p
+        per_layer = 6 * d * r + 5 * d * cast + (hq + 2 * hkv) * hd * c + 2 * hq * hd * c + 4 * f * c
+        if _has_qk_norm(model):  # Qwen3, OLMo 2: RMSNorms of q and k, in the residual's dtype
+            per_layer += 2 * (hq + hkv) * hd * r
         vocab = int(model.get_output_embeddings().weight.shape[0])
         n = sum(q.numel() for q in model.parameters())
         return cls(
@@ -76,14 +88,14 @@ class MemoryModel:
             layers=int(cfg.num_hidden_layers),
             hidden=d,
             head=2 * vocab * c,
-            state=n * (16 + cast),
-            param_bytes=p,
+            state=n * (16 + (c if mixed else 0)),
+            residual_bytes=r,
         )
 
     def activations(self, tokens: int, checkpointing: bool) -> float:
         """Bytes a micro-batch of `tokens` holds at its peak (its backward's start)."""
         if checkpointing:
-            body = tokens * (self.layers * self.hidden * self.param_bytes + self.per_layer)
+            body = tokens * (self.layers * self.hidden * self.residual_bytes + self.per_layer)
         else:
             body = tokens * self.layers * self.per_layer
         return body + tokens * self.head
@@ -138,7 +150,12 @@ def planned_train_config(train, model: torch.nn.Module, device: torch.device, pr
         log.info("train.memory=plan: not on a GPU; the configured budget and checkpointing stay")
         return train
     free, _ = torch.cuda.mem_get_info(device)
-    mm = MemoryModel.for_model(model, precision.param_dtype, precision.compute_dtype)
+    mm = MemoryModel.for_model(
+        model,
+        precision.param_dtype,
+        precision.compute_dtype,
+        copy=precision.mixed and precision.copy,
+    )
     chosen = plan(mm, free, train.micro_batch_tokens)
     log.info(
         "train.memory=plan: gradient_checkpointing=%s, micro_batch_tokens=%d (%s)",

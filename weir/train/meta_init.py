@@ -141,10 +141,20 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
     """Allocate the (sharded) meta parameters on `device`, keeping the buffers' values.
 
     `to_empty` replaces buffers with uninitialised memory too; they are small and were computed
-    at construction, so they are copied back.
+    at construction, so they are copied back. On an unsharded model it also gives each module a
+    parameter of its own where modules shared one (a tied embedding and LM head): the ties are
+    made again.
     """
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
     model.to_empty(device=device)
+    for (first, first_name), *others in places.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])

@@ -4,8 +4,10 @@ Mixed precision as large-model training does it: the parameters, their gradients
 moments stay in `param_dtype` (float32), while the forward and backward matmuls run in
 `compute_dtype` (bfloat16 on a GPU). A bf16 update `w + lr * u` with lr 1e-6 is below bf16's
 resolution (8 bits of mantissa: |w| * 2^-8) for most weights and is lost; on float32 masters
-it is kept. Locally the compute dtype is applied with `torch.autocast`; on Ray FSDP2's
-`MixedPrecisionPolicy` casts the gathered shards instead (weir.train.sharded_actor.shard_model).
+it is kept. Locally the compute dtype is applied with `torch.autocast`
+(`train.mixed_precision: autocast`) or by running on a compute-dtype copy of the weights
+(`compute_copy`: weir.train.compute_copy, what FSDP2 does); on Ray FSDP2's `MixedPrecisionPolicy`
+casts the gathered shards (weir.train.sharded_actor.shard_model).
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ class Precision:
     device: torch.device
     param_dtype: torch.dtype
     compute_dtype: torch.dtype
+    copy: bool = False
+    """Compute on a compute-dtype copy of the weights (`train.mixed_precision: compute_copy`)
+    rather than under autocast; only meaningful when `mixed`."""
 
     @classmethod
     def from_config(cls, train, *, device: str | torch.device | None = None) -> Precision:
-        """Resolve `train.device`, `train.param_dtype` and `train.compute_dtype`.
+        """Resolve `train.device`, `train.param_dtype`, `train.compute_dtype` and
+        `train.mixed_precision`.
 
         `device` overrides `train.device` (a Ray rank is handed the GPU Ray gave it).
         """
@@ -47,16 +53,23 @@ class Precision:
                 "train.compute_dtype=float32 with train.param_dtype=bfloat16 computes in more "
                 "precision than the weights hold; use param_dtype=float32 or compute_dtype=bfloat16"
             )
-        return cls(dev, param, compute)
+        copy = getattr(train, "mixed_precision", "autocast") == "compute_copy"
+        return cls(dev, param, compute, copy)
 
     @property
     def mixed(self) -> bool:
         """Compute in a narrower dtype than the master weights."""
         return self.compute_dtype != self.param_dtype
 
+    @property
+    def autocasts(self) -> bool:
+        """Whether the forward computes in `compute_dtype` by autocast (mixed, and not on a copy)."""
+        return self.mixed and not self.copy
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Run the enclosed forward in `compute_dtype` (a no-op when it equals `param_dtype`)."""
-        if not self.mixed:
+        """Run the enclosed forward in `compute_dtype` under autocast (a no-op unless
+        `autocasts`)."""
+        if not self.autocasts:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 

@@ -4,7 +4,8 @@ the degenerate case of the same pieces (weir.loop.components).
 
 - **policy**: started on the meta device, FSDP2-sharded, and only this rank's slice of every weight
   read from the model's files (weir.train.meta_init); a model whose loading converts tensors is
-  loaded whole and then sharded.
+  loaded whole and then sharded. A group of one rank trains the plain `Actor` instead
+  (`weir.train.distributed.shards_model`), every weight read straight onto its device.
 - **LoRA** (`lora.enabled`): peft adapters go on before the model is sharded, so the rank loads the
   base model whole (peft wraps a materialised model), applies the adapters with the run's seed (the
   same A as one process), then shards the PeftModel (weir.train.sharded_lora).
@@ -24,14 +25,15 @@ from typing import Any
 
 import torch
 
+from weir.train.actor import Actor
 from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.precision import Precision
 from weir.train.sharded_actor import ShardedActor, shard_model
 
 
-def build_policy(rank: Any, model_path: str, dtype: torch.dtype) -> ShardedActor:
-    """Trainer rank `rank`'s sharded policy from `model_path` (`rank.settings`, `rank.device`;
-    `rank.start` gets how it started: see `TrainerRank.start_stats`)."""
+def build_policy(rank: Any, model_path: str, dtype: torch.dtype) -> Actor:
+    """Trainer rank `rank`'s policy from `model_path` (`rank.settings`, `rank.device`,
+    `rank.sharded`; `rank.start` gets how it started: see `TrainerRank.start_stats`)."""
     from weir.train.meta_init import build_on_meta, disk_layout, layout_mismatch
 
     settings = rank.settings
@@ -40,6 +42,7 @@ def build_policy(rank: Any, model_path: str, dtype: torch.dtype) -> ShardedActor
     layout = disk_layout(model_path) if Path(model_path).is_dir() else {}
     model = build_on_meta(model_path, dtype)  # imports the model's code, holds no weights
     why = layout_mismatch(model, layout)
+    rank.start["sharded"] = float(rank.sharded)
     baseline = reset_peak_rss()
     try:
         if why is None:
@@ -52,12 +55,12 @@ def build_policy(rank: Any, model_path: str, dtype: torch.dtype) -> ShardedActor
         from weir.train.model import load_model
 
         rank.start["meta"] = 0.0
-        return ShardedActor(load_model(model_path, dtype, rank.device)[0], settings.actor)
+        return _actor(rank, load_model(model_path, dtype, rank.device)[0])
     finally:
         rank.start["peak_rss_mb"] = peak_rss_since(baseline) / 2**20
 
 
-def _from_shards(rank: Any, model_path: str, model: torch.nn.Module, layout: dict) -> ShardedActor:
+def _from_shards(rank: Any, model_path: str, model: torch.nn.Module, layout: dict) -> Actor:
     from weir.train.meta_init import build_on_meta, load_local_shards, materialize
 
     settings = rank.settings
@@ -69,19 +72,36 @@ def _from_shards(rank: Any, model_path: str, model: torch.nn.Module, layout: dic
 
     def start(meta: torch.nn.Module) -> torch.nn.Module:
         nonlocal read
-        shard_model(meta, compute_dtype=compute, offload=offload, device=torch.device(rank.device))
+        if rank.sharded:
+            shard_model(
+                meta, compute_dtype=compute, offload=offload, device=torch.device(rank.device)
+            )
         materialize(meta, where)
         read += load_local_shards(meta, layout)
         return meta
 
     actor_model = start(model)
-    reference = None
-    if settings.actor.needs_reference:  # the frozen initial policy, sharded and read the same way
-        reference = start(build_on_meta(model_path, dtype)).eval().requires_grad_(False)
-    teacher = _teacher_shards(rank, dtype, compute, offload, where)
+    reference = teacher = None
+    if rank.sharded:  # the frozen initial policy, sharded and read alike; a teacher too
+        if settings.actor.needs_reference:
+            reference = start(build_on_meta(model_path, dtype)).eval().requires_grad_(False)
+        teacher = _teacher_shards(rank, dtype, compute, offload, where)
     local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
     rank.start.update(meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20)
-    return ShardedActor(actor_model, settings.actor, reference=reference, teacher=teacher)
+    return _actor(rank, actor_model, reference, teacher)
+
+
+def _actor(
+    rank: Any,
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None = None,
+    teacher: torch.nn.Module | None = None,
+) -> Actor:
+    """The rank's actor on `model`: sharded, or on a group of one rank the plain `Actor` (which
+    copies its reference and loads its teacher itself, as in one process)."""
+    if not rank.sharded:
+        return Actor(model, rank.settings.actor)
+    return ShardedActor(model, rank.settings.actor, reference=reference, teacher=teacher)
 
 
 def _teacher_shards(
@@ -129,7 +149,7 @@ def _lora_policy(rank: Any, model_path: str, dtype: torch.dtype) -> ShardedActor
         device=torch.device(rank.device),
     )
     actor = ShardedLoraActor(peft_model, settings.actor)
-    rank.start.update(meta=0.0, peak_rss_mb=peak_rss_since(baseline) / 2**20)
+    rank.start.update(meta=0.0, sharded=1.0, peak_rss_mb=peak_rss_since(baseline) / 2**20)
     return actor
 
 
