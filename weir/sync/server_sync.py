@@ -172,12 +172,14 @@ class ServerSync:
         ]
 
     def _send(self, version: int) -> int:
-        """Collective over the trainer ranks (blocking): every bucket gathered and broadcast."""
+        """Collective over the trainer ranks (blocking): every bucket gathered and broadcast;
+        returns the bytes rank 0 sent (`SyncTrainerRank.stream` also times its offload)."""
         buckets = self._layout()
         sent = self.trainer.collective(
             lambda r, rank: rank.stream.remote(buckets, [], version, self.role)
         )
-        return int(sent[0])
+        nbytes, _offload_s = sent[0]
+        return int(nbytes)
 
     def _abandon(self, receiving: list[asyncio.Future]) -> None:
         for task in receiving:
