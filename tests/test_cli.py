@@ -90,6 +90,25 @@ def test_committed_config_reference_is_current():
     )
 
 
+def test_committed_compatibility_matrix_is_current_and_every_refusal_says_why():
+    from pathlib import Path
+
+    from weir.loop.compat import compatibility_matrix
+
+    text = compatibility_matrix()
+    committed = Path(__file__).parents[1] / "docs" / "compatibility.md"
+    assert committed.read_text() == text + "\n", (
+        "run `make docs` to regenerate docs/compatibility.md"
+    )
+    refusals = text.split("## Every refusal", 1)[1]
+    assert " yet" not in refusals and "not supported" not in refusals
+    # what the matrix test runs on Ray (tests/cluster/test_matrix_on_ray.py) is accepted there
+    row = {r.split(" | ")[0].lstrip("| "): r for r in text.splitlines() if r.startswith("| ")}
+    for feature in ("LoRA, merged weights to the engines", "critic (algo.advantage=gae)"):
+        cells = row[feature].split(" | ")
+        assert cells[4] == cells[5] == "runs", row[feature]  # Ray with torch, Ray with vLLM
+
+
 def test_eval_command_writes_metrics(tiny_model_dir, tmp_path):
     import json
 

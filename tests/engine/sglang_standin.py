@@ -1,7 +1,12 @@
 """A stand-in for an SGLang server, written from SGLang's documented native HTTP API (it is NOT
 SGLang): ``/health``, streaming ``/generate`` with ``input_ids`` and ``return_logprob``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/release_memory_occupation`` and
-``/resume_memory_occupation``. It records every request body so tests can check what weir sends.
+``/resume_memory_occupation``, ``/get_server_info``, and the distributed weight update:
+``/init_weights_update_group`` joins the trainer's group the way SGLang's
+``init_custom_process_group`` builds it (a ``tcp://`` rendezvous, the store prefixed by the group
+name, torch's process-group helper), and ``/update_weights_from_distributed`` receives one
+broadcast per named tensor, as SGLang's model runner does. It records every request body so tests
+can check what weir sends, and the tensors it received.
 
 Its "model" is arithmetic on token ids, so expected outputs can be worked out by hand: the next token
 after context ``c`` is ``(c[-1] + step) % vocab`` where ``step`` is 1 for the initial weights and
@@ -24,6 +29,32 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 
+def join_group(body: dict):
+    """SGLang's ``init_custom_process_group`` for a server of one tensor-parallel rank: a
+    rendezvous at the trainer's ``tcp://`` address, the store prefixed by the group's name, and
+    torch's own process-group helper; the group's ranks are its global ranks."""
+    import datetime
+
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=120)
+    url = f"tcp://{body['master_address']}:{body['master_port']}"
+    rank, size, name = body["rank_offset"], body["world_size"], body["group_name"]
+    store, rank, size = next(rendezvous(url, rank, size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(name, store)
+    pg, _ = _new_process_group_helper(
+        size, rank, [], body["backend"], store, group_name=name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+    return pg
+
+
 class StandIn:
     def __init__(self, vocab: int = 1000, delay_s: float = 0.0, port: int = 0) -> None:
         self.vocab, self.delay_s = vocab, delay_s
@@ -32,6 +63,8 @@ class StandIn:
         self.released = False
         self.dead = False
         self.flushes = 0
+        self.groups: dict = {}
+        self.received: dict = {}  # name -> tensor, from /update_weights_from_distributed
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,6 +84,11 @@ class StandIn:
             def do_GET(self):
                 if self.path == "/health" and not standin.dead:
                     self._json(200, {})
+                elif self.path == "/get_server_info":
+                    self._json(200, {"tp_size": 1, "version": "stand-in"})
+                elif self.path == "/received":  # for tests: what the group delivered, and when
+                    got = {k: v.flatten().tolist() for k, v in standin.received.items()}
+                    self._json(200, {"tensors": got, "flushes": standin.flushes})
                 else:
                     self._json(404, {"error": "not found"})
 
@@ -69,6 +107,14 @@ class StandIn:
                 if self.path == "/flush_cache":
                     standin.flushes += 1
                     return self._json(200, {})
+                if self.path == "/init_weights_update_group":
+                    standin.groups[body["group_name"]] = join_group(body)
+                    return self._json(200, {"success": True, "message": "joined"})
+                if self.path == "/update_weights_from_distributed":
+                    standin._receive(body)
+                    if body.get("flush_cache"):
+                        standin.flushes += 1
+                    return self._json(200, {"success": True, "message": "updated"})
                 if self.path == "/release_memory_occupation":
                     standin.released = True
                     return self._json(200, {})
@@ -123,6 +169,19 @@ class StandIn:
             h.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client closed the stream (weir pausing or aborting): the request ends
+
+    def _receive(self, body: dict) -> None:
+        """One broadcast from rank 0 per tensor, in the order the names come."""
+        import torch
+        import torch.distributed as dist
+
+        pg = self.groups[body["group_name"]]
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(t, src=0, group=pg)
+            self.received[name] = t
+        if "step" in self.received:
+            self.step = int(self.received["step"].item())
 
     def close(self) -> None:
         self.dead = True

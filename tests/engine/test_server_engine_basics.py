@@ -63,13 +63,13 @@ def test_a_server_that_never_answers_times_out_with_its_log(tmp_path):
     [
         (["rollout.top_p=0.9"], "rollout.top_p=1.0"),
         (["rollout.top_k=20"], "rollout.top_k=0"),
-        (["cluster.type=ray"], "cluster.type=local"),
+        (["cluster.type=ray", "cluster.weight_sync=object_store"], "use broadcast"),
     ],
 )
 def test_config_refuses_what_a_server_engine_cannot_run_exactly(override, needle):
     with pytest.raises(ValueError, match=needle):
         load_config(None, ["engine.type=vllm", *override])
-    load_config(None, ["engine.type=torch", *override[:1]] if "cluster" not in override[0] else [])
+    load_config(None, ["engine.type=torch", *override])
 
 
 @given(

@@ -271,3 +271,139 @@ def test_an_owned_server_that_dies_between_requests_is_restarted_at_once_with_cu
     finally:
         engine.close()
     assert not proc.alive()
+
+
+class _Now:
+    """A Ray actor method's `.remote`, run in a thread of this process (a future stands for the
+    object ref)."""
+
+    def __init__(self, pool, fn):
+        self.pool, self.fn = pool, fn
+
+    def remote(self, *args):
+        return self.pool.submit(self.fn, *args)
+
+
+class _Rank0:
+    """Trainer rank 0 in this process: a state dict streamed bucket by bucket to its group."""
+
+    def __init__(self, pool, state):
+        from weir.sync.broadcast import BroadcastGroup, TensorMeta
+
+        self.state, self.group = state, None
+        self._BroadcastGroup = BroadcastGroup
+        self.layout = _Now(
+            pool, lambda dtype, role: [TensorMeta.of(k, v) for k, v in state.items()]
+        )
+        self.sync_address = _Now(pool, lambda: ("127.0.0.1", free_port()))
+        self.join = _Now(pool, self._join)
+        self.stream = _Now(pool, self._stream)
+
+    def _join(self, host, port, size, name, backend, style, per_tensor, role):
+        self.group = self._BroadcastGroup(
+            host, port, 0, size, backend=backend, name=name, style=style, per_tensor=per_tensor
+        )
+
+    def _stream(self, buckets, shared, version, role):
+        sent = 0
+        for bucket in buckets:
+            flat = torch.cat([self.state[m.name].reshape(-1) for m in bucket])
+            sent += self.group.send_flat(flat, bucket)
+        return sent
+
+
+class _Trainer:
+    """What `ServerSync` asks of a `TrainerGroup`, for one rank in this process."""
+
+    def __init__(self, state):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(4)
+        self.rank0 = _Rank0(self.pool, state)
+        self.trained = 0
+        self._collective = threading.RLock()
+
+    def get(self, refs):
+        return [r.result(timeout=120) for r in refs]
+
+    def collective(self, submit):
+        return self.get([submit(0, self.rank0)])
+
+
+def test_weights_reach_sglang_over_its_distributed_update_protocol(tmp_path):
+    """weir's side of SGLang's `init_weights_update_group` + `update_weights_from_distributed`
+    against the stand-in in a process of its own (it joins the group as SGLang does and receives a
+    broadcast per tensor): the bodies, one call per bucket in order, the tensors bit for bit, the
+    cache flushed after the last bucket, the version moving only when every bucket is in."""
+    import json
+    import urllib.request
+
+    from weir.sync.server_sync import ServerSync
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    script = Path(__file__).with_name("sglang_standin.py")
+    proc = ServerProcess(
+        argv=[sys.executable, str(script), str(port)],
+        url=url,
+        log_path=tmp_path / "standin.log",
+        startup_timeout_s=120,
+    )
+    proc.start()
+    proc.wait_ready()
+    state = {
+        "model.a.weight": torch.arange(12.0).reshape(3, 4),
+        "model.b.weight": torch.randn(64, 8),
+        "step": torch.tensor([3.0]),
+    }
+    trainer = _Trainer(state)
+    sent: list[tuple[str, dict]] = []
+
+    class Recording(SglangBackend):
+        async def _post(self, client, url, path, body=None):
+            sent.append((path, body))
+            return await super()._post(client, url, path, body)
+
+    engine = ServerEngine(
+        Recording(),
+        [Replica(url, proc)],
+        eos_token_ids=[EOS],
+        max_model_len=4096,
+        weights_dir=tmp_path / "weights",
+        watch_s=0,
+    )
+
+    def received() -> dict:
+        with urllib.request.urlopen(url + "/received", timeout=30) as r:  # noqa: S310
+            return json.loads(r.read())
+
+    try:
+        sync = ServerSync(trainer, engine, bucket_mb=1e-3, backend="gloo")  # ~1 KB buckets
+        stats = sync.push(1)
+        assert stats["sync/mb"] * 2**20 == sum(t.numel() * 4 for t in state.values())
+        got = received()
+        assert got["flushes"] == 1  # after the last bucket
+        for k, v in state.items():
+            assert torch.equal(torch.tensor(got["tensors"][k]), v.flatten()), k
+        # the next request runs on the new weights (step 3) under version 1
+        [[c]] = engine.generate_many([[5]], SamplingParams(max_new_tokens=2, temperature=0.0))
+        assert c.token_ids == [8, 11] and c.versions == [1, 1]
+        # a second push reuses the group (no new rendezvous) and the new values arrive
+        state["step"].fill_(4.0)
+        sync.push(2)
+        assert received()["tensors"]["step"] == [4.0] and engine.version == 2
+        [[c]] = engine.generate_many([[5]], SamplingParams(max_new_tokens=1, temperature=0.0))
+        assert c.token_ids == [9] and c.versions == [2]
+        # what weir sent: the group's rendezvous once, then a call per ~1 KB bucket, in order
+        log = [x for x in sent if "weights" in x[0]]
+        update = "/update_weights_from_distributed"
+        assert [x[0] for x in log] == ["/init_weights_update_group", *[update] * 6]
+        init = log[0][1]
+        assert (init["world_size"], init["rank_offset"], init["backend"]) == (2, 1, "gloo")
+        first = [body for _, body in log[1:4]]  # model.b.weight (2 KB) travels alone
+        assert [b["names"] for b in first] == [[k] for k in state]
+        assert [b["shapes"] for b in first] == [[[3, 4]], [[64, 8]], [[1]]]
+        assert [b["flush_cache"] for b in first] == [False, False, True]
+    finally:
+        engine.close()
+        trainer.pool.shutdown(wait=False)

@@ -137,3 +137,50 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
         assert offloaded < 0.05 * GB
     finally:
         parts.shutdown()
+
+
+@pytest.mark.parametrize("features", ["lora-gae", "separate"])
+def test_one_gpu_colocated_ray_runs_lora_critic_and_separate_policies(
+    ray_local, tmp_path, features
+):
+    """The features that live in the trainer rank on a GPU (NCCL process group of one rank, FSDP2,
+    offload while the engine generates): LoRA adapters applied before sharding with the critic's
+    own sharded value model, or a policy per role with an engine group each; every sync checked
+    against the shards (`cluster.verify_sync`, CUDA IPC into the colocated engines)."""
+    import weir
+
+    over = [
+        f"run.dir={tmp_path}",
+        "cluster.type=ray",
+        "cluster.colocate=true",
+        "cluster.trainer.gpus_per_rank=1",
+        "cluster.engines.gpus=0.5",
+        "cluster.reward_workers=0",
+        "cluster.verify_sync=true",
+    ]
+    config = {
+        "run": {"steps": 2, "eval_every": 0, "save_model": False},
+        "model": {"path": "tiny:tiny"},
+        "data": {"task": "arithmetic", "eval_size": 4},
+        "rollout": {"n": 2, "batch_prompts": 4, "max_new_tokens": 4},
+        "telemetry": {"console": False},
+    }
+    if features == "lora-gae":
+        over += ["lora.enabled=true", "algo.advantage=gae"]
+    else:
+        config["rollout"]["function"] = "weir.rollout.multi_agent:rollout"
+        config["multi_agent"] = {
+            "roles": [{"name": "a"}, {"name": "b"}],
+            "scorer": "tests.cluster.test_matrix_on_ray:score",
+            "credit": "role",
+            "policies": "separate",
+        }
+    result = weir.run(
+        config,
+        over,
+        reward=(lambda s, row: float(s.index == 0)) if features == "lora-gae" else None,
+    )
+    steps = [h for h in result.history if "train/loss" in h or "critic/value_loss" in h]
+    assert len(steps) == 2 and all(h["sync/verified"] == 1.0 for h in steps)
+    if features == "lora-gae":
+        assert all("critic/value_loss" in h for h in steps)

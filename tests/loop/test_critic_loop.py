@@ -1,4 +1,5 @@
-"""PPO with a critic in the drivers: resume continues exactly, async runs, Ray is refused up front."""
+"""PPO with a critic in the drivers: resume continues exactly, async runs; a critic sharing the
+policy's FSDP2 backbone on Ray is refused up front."""
 
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ def test_async_run_with_a_critic_on_the_shared_backbone_resumes(workdir):
     assert last["critic/actor_frozen"] == 0.0 and "policy/pg_loss" in last
 
 
-def test_a_critic_on_ray_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="cluster.type=local only"):
-        build_config({}, ["algo.advantage=gae", "cluster.type=ray"])
+def test_a_critic_sharing_the_sharded_backbone_on_ray_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="set critic.shared_backbone=false"):
+        build_config({}, ["algo.advantage=gae", "cluster.type=ray", "critic.shared_backbone=true"])
     with pytest.raises(ValueError, match="critic.mini_batches=3 must divide"):
         build_config({}, ["algo.advantage=gae", "critic.mini_batches=3"])
 

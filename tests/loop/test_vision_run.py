@@ -86,8 +86,7 @@ def test_buffered_groups_keep_their_pixels():
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("engine.type=vllm", "engine.type=torch with cluster.type=local"),
-        ("cluster.type=ray", "engine.type=torch with cluster.type=local"),
+        ("engine.type=vllm", "completions endpoint, which carries no images"),
         (
             "rollout.function=weir.rollout.multi_agent:rollout;multi_agent.roles=[{name: a}]",
             "multi-agent",
@@ -100,5 +99,6 @@ def test_runs_that_would_drop_images_are_refused(override, match):
 
     _check_vision_run(load_config(None, []))  # the defaults keep images
     _check_vision_run(load_config(None, ["rollout.function=weir.rollout.multi_turn:rollout"]))
+    _check_vision_run(load_config(None, ["cluster.type=ray"]))  # Ray replicas take the pixels
     with pytest.raises(ValueError, match=match):
         _check_vision_run(load_config(None, override.split(";")))

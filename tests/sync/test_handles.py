@@ -43,7 +43,7 @@ def test_an_engine_takes_buckets_in_order_and_maps_a_reused_buffer_once(monkeypa
     bucket is copied."""
     import threading
 
-    import weir.sync.endpoints as endpoints
+    import weir.sync.handoff as handoff
     from weir.sync.broadcast import TensorMeta
 
     cpu = torch.device("cpu")
@@ -52,9 +52,9 @@ def test_an_engine_takes_buckets_in_order_and_maps_a_reused_buffer_once(monkeypa
     values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
     buckets = [[TensorMeta(name, (2,), "float32")] for name in ("a", "b", "c")]
     opened = []
-    real_open = endpoints.open_handle
-    monkeypatch.setattr(endpoints, "open_handle", lambda h, d: opened.append(h) or real_open(h, d))
-    inbox = endpoints._Inbox()
+    real_open = handoff.open_handle
+    monkeypatch.setattr(handoff, "open_handle", lambda h, d: opened.append(h) or real_open(h, d))
+    inbox = handoff.Inbox()
     done = [threading.Event() for _ in buckets]
     buffers[1][:8].view(torch.float32).copy_(values[1])
     inbox.items.put((1, handles[1], done[1]))  # early

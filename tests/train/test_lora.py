@@ -208,6 +208,6 @@ def test_a_tied_output_head_is_refused(tiny_model_dir):
         apply_lora(plain, _cfg("lora.target_modules=[q_proj,lm_head]").lora)
 
 
-def test_lora_on_ray_is_refused_up_front():
-    with pytest.raises(Exception, match="lora.enabled runs on cluster.type=local only"):
-        build_config({}, ["lora.enabled=true", "cluster.type=ray"])
+def test_an_adapter_only_sync_needs_an_engine_that_applies_adapters():
+    with pytest.raises(Exception, match="lora.sync=adapter sends only the adapter"):
+        build_config({}, ["lora.enabled=true", "lora.sync=adapter", "engine.type=torch"])

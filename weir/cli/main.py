@@ -365,12 +365,16 @@ def _print_provenance(path: Path, said: list[str]) -> None:
 
 @app.command("config-docs")
 def config_docs(out: Annotated[Path, typer.Option()] = Path("docs/configuration.md")) -> None:
-    """Regenerate the configuration reference from the config models."""
+    """Regenerate the configuration reference from the config models, and next to it
+    compatibility.md, what runs with what, from the config validator."""
     from weir.config.docs import config_reference
+    from weir.loop.compat import compatibility_matrix
 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(config_reference())
-    console.print(f"wrote {out}")
+    compat = out.parent / "compatibility.md"
+    compat.write_text(compatibility_matrix() + "\n")
+    console.print(f"wrote {out} and {compat}")
 
 
 if __name__ == "__main__":

@@ -34,12 +34,17 @@ def driver_env() -> dict[str, Any]:
 
 
 class RayCluster:
-    """Joins (or starts) Ray and reserves the bundles; hands out actor options for each role."""
+    """Joins (or starts) Ray and reserves the bundles; hands out actor options for each role.
+
+    `engine_groups`: how many groups of `cluster.engines.replicas` engines to place (one per
+    policy with multi_agent.policies=separate); engine index i is replica i % replicas of group
+    i // replicas."""
 
     kind = "ray"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, engine_groups: int = 1) -> None:
         self.cfg = cfg
+        self.engine_groups = engine_groups
         self.trainer_pg: Any = None
         self.engine_pg: Any = None
         self._started_ray = False
@@ -62,6 +67,7 @@ class RayCluster:
             ray.init(**kwargs)
             self._started_ray = True
         t, e = self.cfg.trainer, self.cfg.engines
+        engines = e.replicas * self.engine_groups
         if self.cfg.colocate:
             per = self._engines_per_bundle()
             bundles = [
@@ -79,7 +85,7 @@ class RayCluster:
                 strategy="PACK",
             )
             self.engine_pg = placement_group(
-                [_bundle(e.cpus, e.gpus, e.resources)] * e.replicas,
+                [_bundle(e.cpus, e.gpus, e.resources)] * engines,
                 strategy="PACK",
             )
         for name, pg in (("cluster.trainer", self.trainer_pg), ("cluster.engines", self.engine_pg)):
@@ -115,7 +121,8 @@ class RayCluster:
 
     def _engines_per_bundle(self) -> list[int]:
         ranks = self.cfg.trainer.ranks
-        return [len(range(r, self.cfg.engines.replicas, ranks)) for r in range(ranks)]
+        engines = self.cfg.engines.replicas * self.engine_groups
+        return [len(range(r, engines, ranks)) for r in range(ranks)]
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
         """`.options(...)` of trainer rank `rank`'s actor."""
@@ -160,6 +167,6 @@ class RayCluster:
         return {
             "type": "ray",
             "trainer_ranks": self.cfg.trainer.ranks,
-            "engine_replicas": self.cfg.engines.replicas,
+            "engine_replicas": self.cfg.engines.replicas * self.engine_groups,
             "colocate": self.cfg.colocate,
         }

@@ -137,11 +137,7 @@ class Config(Section):
         if self.correction_needs_engine_logprobs and self.rollout.temperature == 0:
             raise ValueError("algo.correction needs sampling: set rollout.temperature > 0")
         self._warn_behavior_logprobs()
-        if self.lora.enabled and cl.type == "ray":
-            raise ValueError(
-                "lora.enabled runs on cluster.type=local only (weir's FSDP2 trainer ranks do not "
-                "wrap peft adapters): set cluster.type=local or lora.enabled=false"
-            )
+        self._check_lora_sync()
         self._check_multi_agent()
         self._check_credit()
         return self
@@ -161,6 +157,15 @@ class Config(Section):
             raise ValueError(
                 f"algo.credit.mode={credit.mode} combines step and task rewards for "
                 f"{', '.join(known)}; algo.advantage={advantage!r} is not one of them"
+            )
+
+    def _check_lora_sync(self) -> None:
+        """lora.sync=adapter needs an engine that applies an adapter per request."""
+        if self.lora.enabled and self.lora.sync == "adapter" and self.engine.type != "vllm":
+            raise ValueError(
+                f"lora.sync=adapter sends only the adapter, which an engine must apply itself at "
+                f"every token: vLLM's LoRA support does (engine.type=vllm); engine.type="
+                f"{self.engine.type} runs the merged weights: set lora.sync=merged"
             )
 
     def _adapter_data(self) -> bool:
@@ -227,16 +232,53 @@ class Config(Section):
     def _check_server_engine(self) -> None:
         """vLLM / SGLang servers: what weir cannot run exactly with them is refused here."""
         e, r = self.engine.type, self.rollout
-        if self.cluster.type == "ray":
+        cl = self.cluster
+        if cl.type == "ray" and self.engine.replicas > 1:
             raise ValueError(
-                f"engine.type={e} starts its own server processes: use cluster.type=local "
-                "(engine.replicas sets how many servers; engine.urls attaches to running ones)"
+                f"engine.replicas={self.engine.replicas} with cluster.type=ray: on Ray "
+                "cluster.engines.replicas sets how many servers (one Ray actor each); set "
+                "engine.replicas=1"
             )
+        if cl.type == "ray" and cl.weight_sync == "object_store":
+            raise ValueError(
+                f"cluster.weight_sync=object_store with engine.type={e}: a {e} server is a process "
+                "of its own environment that Ray's object store does not reach; use broadcast "
+                "(auto) or disk"
+            )
+        nccl_on_one_gpu = cl.colocate and cl.trainer.gpus_per_rank > 0 and cl.engines.gpus > 0
+        if cl.type == "ray" and nccl_on_one_gpu and cl.weight_sync in ("auto", "broadcast"):
+            raise ValueError(
+                f"cluster.colocate=true puts {e} servers on the trainer ranks' GPUs, and NCCL "
+                "cannot join two processes on one GPU into the weight-broadcast group: set "
+                "cluster.weight_sync=disk"
+            )
+        if cl.type == "ray" and cl.engines.gpus > 1 and cl.engines.gpus != int(cl.engines.gpus):
+            raise ValueError(
+                f"cluster.engines.gpus={cl.engines.gpus}: a {e} server's tensor parallelism is "
+                "its whole GPUs; use a whole number (or a fraction below 1 for a shared GPU)"
+            )
+        if cl.verify_sync and e == "sglang":
+            raise ValueError(
+                "cluster.verify_sync with engine.type=sglang: SGLang reports a parameter only "
+                "truncated (/get_weights_by_name), so what a server loaded cannot be hashed whole; "
+                "set cluster.verify_sync=false"
+            )
+        if self.engine.urls and self.multi_agent.policies == "separate" and self.multi_agent.roles:
+            roles = len(self.multi_agent.roles)
+            if len(self.engine.urls) % roles:
+                raise ValueError(
+                    f"engine.urls lists {len(self.engine.urls)} servers for {roles} separate "
+                    "policies: each role takes an equal share, in role order; list a multiple of "
+                    f"{roles}"
+                )
         if r.top_p < 1.0 or r.top_k > 0:
             raise ValueError(
-                f"engine.type={e} reports log-probs renormalised over the top-k/top-p tokens, not "
-                "weir's full-vocabulary log_softmax(logits / T): set rollout.top_p=1.0 and "
-                "rollout.top_k=0, or use engine.type=torch"
+                f"rollout.top_p / rollout.top_k with engine.type={e}: a {e} server reports one "
+                "log-prob per token, of a kind fixed when it starts (vLLM's --logprobs-mode), and "
+                "under top-k/top-p weir needs two: the truncated distribution's (the behaviour "
+                "policy, algo.behavior_logprobs) and the full vocabulary's (old log-probs, the "
+                "mismatch metrics); set rollout.top_p=1.0 and rollout.top_k=0, or use "
+                "engine.type=torch, which reports both"
             )
         if self.algo.routing_replay:
             why = {
@@ -255,34 +297,12 @@ class Config(Section):
         return self.algo.correction.active
 
     @model_validator(mode="after")
-    def _check_separate_policies(self) -> Config:
-        """multi_agent.policies=separate: what the per-role trainers and engines cannot do yet."""
-        if not self.multi_agent.roles or self.multi_agent.policies != "separate":
-            return self
-        refused = [
-            (
-                self.cluster.type != "local",
-                f"cluster.type={self.cluster.type}",
-                "cluster.type=local",
-            ),
-            (self.engine.type != "torch", f"engine.type={self.engine.type}", "engine.type=torch"),
-            (self.lora.enabled, "lora.enabled=true", "lora.enabled=false"),
-            (self.algo.advantage == "gae", "algo.advantage=gae (a critic)", "grpo, rloo, ..."),
-        ]
-        for bad, what, fix in refused:
-            if bad:
-                raise ValueError(
-                    f"multi_agent.policies=separate does not run with {what} yet: use {fix}, or "
-                    "multi_agent.policies=shared"
-                )
-        return self
-
-    @model_validator(mode="after")
     def _check_engine_process(self) -> Config:
         if self.engine.process and self.cluster.type == "ray":
             raise ValueError(
-                "engine.process=true is for cluster.type=local: on Ray every engine replica is a "
-                "process of its own already; set engine.process=false"
+                "engine.process=true moves the built-in engine out of the trainer's process, and on "
+                "Ray every engine replica is a process (a Ray actor) of its own already: set "
+                "engine.process=false (cluster.engines.replicas sets how many)"
             )
         if self.engine.process and self.engine.replicas > 1 and self.run.deterministic:
             raise ValueError(
@@ -296,10 +316,11 @@ class Config(Section):
         """algo.advantage=gae trains a critic: what it cannot do yet is refused here."""
         if self.algo.advantage != "gae":
             return self
-        if self.cluster.type == "ray":
+        if self.cluster.type == "ray" and self.critic.shared_backbone:
             raise ValueError(
-                "algo.advantage=gae (PPO with a critic) runs on cluster.type=local only; "
-                "use cluster.type=local or an advantage without a critic (grpo, rloo, reinforce_pp)"
+                "critic.shared_backbone=true on Ray: the value head would run the policy's FSDP2 "
+                "layers outside the policy's own forward, where FSDP2 reduces their gradients; "
+                "set critic.shared_backbone=false (the critic gets a sharded backbone of its own)"
             )
         mb, total = self.critic.mini_batches, self.rollout.batch_prompts * self.rollout.n
         if mb is not None and total % mb:

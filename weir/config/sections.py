@@ -618,6 +618,12 @@ class ClusterConfig(Section):
     """Directory of the disk transport (shared by trainer and engines); default <run dir>/weights."""
     bucket_mb: float = Field(64.0, gt=0)
     """Size of one broadcast bucket of the weight sync."""
+    verify_sync: bool = False
+    """After every weight sync on Ray, check that each engine holds exactly the trainer's weights:
+    a hash of the tensors the engine loaded (weir's engine: its own; a vLLM worker: those it
+    received) against the same hash gathered from the trainer's shards, one tensor at a time. A
+    difference stops the run; `sync/verified` is 1 per verified sync. Costs a hash of the weights
+    on both sides; for checking a new cluster's set-up (NCCL, TP), and in weir's tests."""
     offload_trainer: bool = True
     """With colocate on GPUs: trainer ranks keep parameters, gradients and optimizer state in host
     memory except while they train, so the engines on their GPUs have it to generate."""
@@ -648,3 +654,8 @@ class LoraConfig(Section):
     engine log-probs never see it (so with dropout > 0 the first update's ratio is not exactly 1)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(rank) instead of alpha / rank."""
+    sync: Literal["merged", "adapter"] = "merged"
+    """What the engines get after each step: `merged` weights W + s B A under the base model's
+    names (any engine; the whole model's bytes), or the `adapter` alone (A and B, a peft adapter
+    directory loaded by vLLM's runtime LoRA endpoint, the server started with --enable-lora;
+    engine.type=vllm). docs/lora.md compares the bytes each moves."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -74,8 +75,12 @@ class EngineWorker:
         """The replica's pid (answers once the actor is up)."""
         return os.getpid()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        return await self.engine.generate(prompt_ids, params)
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, vision: Any = None
+    ) -> list[Completion]:
+        if vision is None:
+            return await self.engine.generate(prompt_ids, params)
+        return await self.engine.generate(prompt_ids, params, vision=vision)
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         await self.engine.update_weights(state.items(), version)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -65,6 +65,15 @@ class RoleRouter(SyncControl):
     @property
     def version(self) -> int:
         return min(e.version for e in self.engines.values())
+
+    @property
+    def retries(self) -> int:
+        """Requests retried after a replica or server failed, over every role's engine."""
+        return sum(int(getattr(e, "retries", 0)) for e in self.engines.values())
+
+    @property
+    def restarts(self) -> int:
+        return sum(int(getattr(e, "restarts", 0)) for e in self.engines.values())
 
     def for_role(self, role: str) -> Any:
         """The engine that generates `role`'s turns."""
@@ -127,19 +136,19 @@ class RoleRouter(SyncControl):
 
     @contextmanager
     def asleep(self) -> Iterator[None]:
-        """With engine.sleep_while_training, every role's engine frees its KV cache (and its
-        weights when `offload_weights[role]`: an engine holding its own copy) until the block ends,
-        also on error; otherwise nothing happens."""
-        slept = []
-        try:
-            if self.sleep_while_training:
-                for role, e in self.engines.items():
+        """With engine.sleep_while_training, every role's built-in engine frees its KV cache (and
+        its weights when `offload_weights[role]`: an engine holding its own copy) until the block
+        ends, also on error; an engine that decides itself (a router of Ray replicas, a server
+        engine: their own `asleep`) does as it decides. Otherwise nothing happens."""
+        with ExitStack() as stack:
+            for role, e in self.engines.items():
+                own = getattr(e, "asleep", None)
+                if own is not None:
+                    stack.enter_context(own())
+                elif self.sleep_while_training:
                     e.sleep_sync(offload_weights=self.offload_weights.get(role, False))
-                    slept.append(e)
+                    stack.callback(e.wake_sync)
             yield
-        finally:
-            for e in slept:
-                e.wake_sync()
 
     def stats(self) -> dict[str, float]:
         """The engines' counters summed, except ``busy_s``, their mean (so that the loop's

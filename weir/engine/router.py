@@ -90,7 +90,11 @@ class Router(SyncControl):
                 self.outstanding[i] += 1
             return i
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, vision: Any = None
+    ) -> list[Completion]:
+        """`params.n` completions of `prompt_ids` (with `vision`, a vision-language model's pixel
+        inputs for the prompt's images) from the least loaded healthy replica."""
         from ray.exceptions import RayActorError
 
         if params.seed is None:  # in call order, which the driver's event loop makes deterministic
@@ -107,7 +111,9 @@ class Router(SyncControl):
                 await asyncio.sleep(0.05)
                 continue
             try:
-                return await self.replicas[i].generate.remote(list(prompt_ids), params)
+                if vision is None:
+                    return await self.replicas[i].generate.remote(list(prompt_ids), params)
+                return await self.replicas[i].generate.remote(list(prompt_ids), params, vision)
             except RayActorError as err:
                 self.retries += 1
                 self._lost(i, err)

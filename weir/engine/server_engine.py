@@ -31,16 +31,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from weir.engine.base import Completion, SamplingParams
 from weir.engine.router import NoEngineAvailable, least_loaded
 from weir.engine.server_recovery import Recovery
+from weir.engine.server_updates import WeightUpdates
 from weir.engine.servers import Replica
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ def sample_seed(seed: int, index: int, done: int) -> int:
     return (x * 0xD6E8FEB86659FD93) & MASK63
 
 
-class ServerEngine(Recovery):
+class ServerEngine(Recovery, WeightUpdates):
     """The Engine protocol over `replicas` served by `backend`.
 
     Args:
@@ -120,6 +119,10 @@ class ServerEngine(Recovery):
             (None until the first update: the server starts with the initial weights).
         watch_s: how often the processes weir started are checked for having died (0: never; a
             dead server is then noticed by the next request sent to it).
+
+    `restore`, when set (`weir.sync.server_sync.ServerSync.restore`), gives a restarted server the
+    current weights instead of `restore_weights`: ``restore(index)`` blocks until it has them, or
+    raises `WeightsNotReady`, and the server then waits in `awaiting` for the next update.
     """
 
     def __init__(
@@ -151,6 +154,9 @@ class ServerEngine(Recovery):
         self.restart = restart
         self.max_retries = max_retries
         self.restore_path: str | None = None
+        self.restore: Callable[[int], None] | None = None
+        self.verify_loads = False  # servers digest what they load (cluster.verify_sync)
+        self.awaiting: set[int] = set()  # restarted, waiting for the next weight update
         self._rng = random.Random(seed)
         self.outstanding = [0] * len(self.replicas)
         self.healthy = [True] * len(self.replicas)
@@ -213,16 +219,6 @@ class ServerEngine(Recovery):
     ) -> list[Completion]:
         return await self._in_loop(self._generate([int(t) for t in prompt_ids], params))
 
-    async def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        path = await asyncio.to_thread(self._write, named_tensors, version)
-        await self._in_loop(self._load(path, version))
-
-    async def load_weights_from_disk(self, path: str | Path, version: int) -> None:
-        """Load a safetensors (HF) directory the servers can read, then set `version`."""
-        await self._in_loop(self._load(str(path), version))
-
     async def pause(self) -> None:
         await self._in_loop(self._pause())
 
@@ -234,10 +230,6 @@ class ServerEngine(Recovery):
 
     async def drain(self, timeout: float | None = None) -> bool:
         return await self._in_loop(self._drain(timeout))
-
-    def update_weights_sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        path = self._write(named, version)
-        self._call(self._load(path, version))
 
     def pause_sync(self) -> None:
         self._call(self._pause())
@@ -442,7 +434,7 @@ class ServerEngine(Recovery):
         async with self._client.stream("POST", url, json=body) as resp:
             if resp.status_code >= 400:
                 text = (await resp.aread()).decode(errors="replace")[:500]
-                if resp.status_code >= 500 and not self._alive(s.replica):
+                if resp.status_code >= 500 and not await asyncio.to_thread(self._alive, s.replica):
                     raise ConnectionError(f"{resp.status_code}: {text}")
                 raise ServerError(
                     f"{self.backend.name} server {url} answered {resp.status_code}: {text}"
@@ -509,43 +501,6 @@ class ServerEngine(Recovery):
     async def _abort(self) -> None:
         self._epoch += 1
         await self._stop_streams()
-
-    def _write(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> str:
-        """Write the weights as a loadable model directory: safetensors plus the model's config
-        files (SGLang's loader reads config.json next to the weights)."""
-        import shutil
-
-        from weir.sync.disk import DiskStore
-
-        out = DiskStore(self.weights_dir).write(dict(named), version)
-        if self.model_dir is not None:
-            for f in Path(self.model_dir).glob("*.json"):
-                if not f.name.endswith(".index.json"):
-                    shutil.copy(f, out / f.name)
-        return str(out)
-
-    async def _load(self, path: str, version: int) -> None:
-        """Pause, load `path` into every healthy server, set `version`, resume (if it was running)."""
-        async with self._control:
-            was_running = self._running.is_set()
-            await self._pause()
-            try:
-                if self.sleeping:
-                    await self._wake_servers()
-                await asyncio.gather(
-                    *(
-                        self.backend.load_from_disk(self._client, r.url, path)
-                        for i, r in enumerate(self.replicas)
-                        if self.healthy[i]
-                    )
-                )
-                self.restore_path = path
-                self.version = version
-            finally:
-                if self.sleeping:
-                    await self._sleep_servers()
-                if was_running:
-                    self._running.set()
 
     async def _sleep(self) -> None:
         async with self._control:

@@ -13,9 +13,14 @@ import asyncio
 import logging
 import time
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "WeightsNotReady"]
 
 log = logging.getLogger("weir.engine.server_engine")
+
+
+class WeightsNotReady(RuntimeError):
+    """A restarted server cannot be given the current weights now (the trainer moved on since the
+    last push): it waits, out of the routing, and the next weight update includes it."""
 
 
 class Recovery:
@@ -34,7 +39,7 @@ class Recovery:
                 if self._closed:
                     return
                 idle = self.healthy[i] and i not in self._recovering
-                if replica.owned and idle and not self._alive(i):
+                if replica.owned and idle and not await asyncio.to_thread(self._alive, i):
                     await self._lost(i)
 
     async def _lost(self, i: int) -> None:
@@ -43,7 +48,9 @@ class Recovery:
             return
         from weir.engine.servers import http_ok
 
-        if self._alive(i) and await asyncio.to_thread(http_ok, self.replicas[i].url + "/health"):
+        if await asyncio.to_thread(self._alive, i) and await asyncio.to_thread(
+            http_ok, self.replicas[i].url + "/health"
+        ):
             return  # a transient error: the server still serves
         self.healthy[i] = False
         if i not in self._recovering:
@@ -64,10 +71,18 @@ class Recovery:
             if replica.process is not None and self.restart:
                 log.warning("%s server %s died; restarting it", self.backend.name, replica.url)
                 await asyncio.to_thread(replica.process.restart, lambda: self._closed)
+                replica.url = replica.process.url  # a server a Ray actor restarted may move
             else:
                 await asyncio.to_thread(replica.wait_ready, 3600.0, lambda: self._closed)
             async with self._control:
-                if self.restore_path is not None:
+                if self.restore is not None:  # the current weights from the trainer's shards
+                    try:
+                        await asyncio.to_thread(self.restore, i)
+                    except WeightsNotReady as err:
+                        self.awaiting.add(i)
+                        log.warning("%s server %s: %s", self.backend.name, replica.url, err)
+                        return
+                elif self.restore_path is not None:
                     await self.backend.load_from_disk(self._client, replica.url, self.restore_path)
                 if self.sleeping:
                     await self.backend.sleep(self._client, replica.url)

@@ -107,6 +107,9 @@ class ServerProcess:
         log_path: where stdout and stderr go (appended across restarts).
         env: extra environment variables.
         startup_timeout_s: how long `wait_ready` waits.
+        die_with_parent: the server gets SIGTERM when the thread that started it ends (Linux's
+            parent-death signal): a server a Ray actor started must not outlive the actor, which
+            Ray may kill without running any of its code.
     """
 
     argv: Sequence[str]
@@ -115,6 +118,7 @@ class ServerProcess:
     log_path: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 300.0
+    die_with_parent: bool = False
     proc: subprocess.Popen | None = None
     starts: int = 0
 
@@ -134,6 +138,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
                 start_new_session=True,
+                preexec_fn=_term_with_parent if self.die_with_parent else None,  # noqa: PLW1509
             )
         finally:
             if out is not subprocess.DEVNULL:
@@ -188,6 +193,14 @@ class ServerProcess:
         self.stop()
         self.start()
         self.wait_ready(should_stop)
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent thread ends (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass

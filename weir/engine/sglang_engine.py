@@ -26,6 +26,7 @@ temperature depends on the SGLang version (``SGLANG_RETURN_ORIGINAL_LOGPROB``). 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ class SglangBackend:
             raise ServerError(f"SGLang {url}{path} failed: {out.get('message')}")
         return out
 
-    async def load_from_disk(self, client: Any, url: str, path: str) -> None:
+    async def load_from_disk(self, client: Any, url: str, path: str, digest: bool = False) -> None:
         await self._post(client, url, "/update_weights_from_disk", {"model_path": str(path)})
         await self._post(client, url, "/flush_cache")
 
@@ -104,10 +105,28 @@ class SglangBackend:
     async def wake(self, client: Any, url: str) -> None:
         await self._post(client, url, "/resume_memory_occupation")
 
+    # -- weights over a torch.distributed group (weir.sync.server_sync) ---------------------------
+    # NOT verified against a live SGLang: written to its documented API (see the module docstring)
+
+    group_style = (
+        "sglang"  # /init_weights_update_group builds the group with init_custom_process_group
+    )
+    per_tensor = True  # /update_weights_from_distributed receives one broadcast per tensor
+    flushes_on_receive = True  # the last bucket's call flushes the cache itself
+
+    async def workers(self, client: Any, url: str) -> int:
+        """The server's tensor-parallel size (``/get_server_info``): each TP rank joins the group."""
+        resp = await client.get(url + "/get_server_info", timeout=60.0)
+        if resp.status_code >= 400:
+            return 1
+        info = resp.json()
+        return int(info.get("tp_size") or info.get("server_args", {}).get("tp_size") or 1)
+
     async def init_broadcast(
-        self, client: Any, url: str, host: str, port: int, rank_offset: int, world_size: int
-    ) -> None:
-        """Join the trainer's NCCL weight group (GPU only; not run in weir's tests)."""
+        self, client: Any, url: str, host: str, port: int, rank_offset: int, world_size: int,
+        backend: str, name: str,
+    ) -> None:  # fmt: skip
+        """Join the trainer's weight-update group (``/init_weights_update_group``)."""
         await self._post(
             client,
             url,
@@ -117,44 +136,51 @@ class SglangBackend:
                 "master_port": port,
                 "rank_offset": rank_offset,
                 "world_size": world_size,
-                "group_name": "weir-sync",
-                "backend": "nccl",
+                "group_name": name,
+                "backend": backend,
             },
         )
 
     async def receive_broadcast(
-        self, client: Any, url: str, metas: list[tuple[str, str, list[int]]]
+        self, client: Any, url: str, buckets: list, name: str, digest: bool = False
     ) -> None:
-        """Receive (name, dtype, shape) tensors broadcast by trainer rank 0 (GPU only; not run)."""
-        await self._post(
-            client,
-            url,
-            "/update_weights_from_distributed",
-            {
-                "names": [m[0] for m in metas],
-                "dtypes": [m[1] for m in metas],
-                "shapes": [list(m[2]) for m in metas],
-                "group_name": "weir-sync",
-                "flush_cache": True,
-            },
-        )
+        """One ``/update_weights_from_distributed`` per bucket, in the order rank 0 broadcasts
+        them (each tensor a broadcast of its own); the server loads each bucket when it has it."""
+        for k, bucket in enumerate(buckets):
+            await self._post(
+                client,
+                url,
+                "/update_weights_from_distributed",
+                {
+                    "names": [m.name for m in bucket],
+                    "dtypes": [m.dtype for m in bucket],
+                    "shapes": [list(m.shape) for m in bucket],
+                    "group_name": name,
+                    "flush_cache": k == len(buckets) - 1,
+                },
+            )
+
+    async def reset_cache(self, client: Any, url: str) -> None:
+        await self._post(client, url, "/flush_cache")
 
 
 def sglang_argv(
     python: str, model_path: str, port: int, *, dtype: str, max_model_len: int, seed: int,
     memory_saver: bool, extra_args: list[str], kv_tokens: int | None = None,
-    kv_budget_fraction: float | None = None,
+    kv_budget_fraction: float | None = None, host: str = "127.0.0.1", tp_size: int = 1,
 ) -> list[str]:  # fmt: skip
-    """The command that starts one SGLang server for weir.
+    """The command that starts one SGLang server for weir, listening on `host` with `tp_size` GPUs.
 
     `kv_tokens` (from `engine.kv_budget_gb`, see `kv_pool_tokens`) becomes ``--max-total-tokens``
     and `engine.kv_budget_fraction` ``--mem-fraction-static`` (SGLang's meaning: the share of GPU
     memory for the weights and the KV pool)."""
     argv = [
-        python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
+        python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
         "--port", str(port), "--dtype", dtype, "--context-length", str(max_model_len),
         "--random-seed", str(seed), "--skip-server-warmup",
     ]  # fmt: skip
+    if tp_size > 1:
+        argv += ["--tp-size", str(tp_size)]
     if kv_tokens is not None:
         argv += ["--max-total-tokens", str(kv_tokens)]
     if kv_budget_fraction is not None:
@@ -180,6 +206,49 @@ def kv_pool_tokens(model_path: str, dtype: str, kv_budget_gb: float | None) -> i
     return max(1, int(kv_budget_gb * GB) // cell_bytes(config, torch_dtype))
 
 
+@dataclass(frozen=True)
+class SglangLauncher:
+    """How one SGLang server of a run is started: ``launcher(index, port, host)`` is its (not yet
+    started) `ServerProcess`. Picklable, so a Ray actor on another node can start it there."""
+
+    python: str
+    model_path: str
+    work_dir: Path
+    dtype: str
+    max_model_len: int
+    seed: int
+    memory_saver: bool
+    extra_args: tuple[str, ...]
+    kv_tokens: int | None
+    kv_budget_fraction: float | None
+    startup_timeout_s: float
+    tp_size: int = 1
+
+    def check(self) -> None:
+        check_installed(self.python, "sglang", INSTALL_HINT)
+
+    def __call__(self, index: int, port: int, host: str = "127.0.0.1") -> ServerProcess:
+        return ServerProcess(
+            argv=sglang_argv(
+                self.python,
+                self.model_path,
+                port,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                seed=self.seed + index,
+                memory_saver=self.memory_saver,
+                extra_args=list(self.extra_args),
+                kv_tokens=self.kv_tokens,
+                kv_budget_fraction=self.kv_budget_fraction,
+                host=host,
+                tp_size=self.tp_size,
+            ),
+            url=f"http://{host}:{port}",
+            log_path=Path(self.work_dir) / f"sglang-{index}.log",
+            startup_timeout_s=self.startup_timeout_s,
+        )
+
+
 def start_sglang(
     ecfg: Any,
     model_path: str,
@@ -188,43 +257,43 @@ def start_sglang(
     eos_token_ids: list[int],
     dtype: str,
     seed: int,
+    place: Any = None,
+    tensor_parallel_size: int = 1,
+    lora_rank: int | None = None,
 ) -> ServerEngine:
-    """Start (or attach to) the SGLang servers of `ecfg` (an `EngineConfig`)."""
+    """Start (or attach to) the SGLang servers of `ecfg` (an `EngineConfig`); `place` as in
+    `weir.engine.remote.launch_servers`. SGLang takes merged weights only (`lora_rank` must be
+    None: weir's adapter-only sync is vLLM's LoRA endpoint)."""
     from weir.engine.remote import launch_servers
 
+    if lora_rank is not None:
+        raise ValueError("lora.sync=adapter needs engine.type=vllm; SGLang takes merged weights")
     work = Path(work_dir)
     max_len = model_max_len(model_path, ecfg.max_model_len)
-    python = ecfg.python or default_python(".venv-sglang")
-    if not ecfg.urls:
-        check_installed(python, "sglang", INSTALL_HINT)
-    kv_tokens = kv_pool_tokens(model_path, dtype, ecfg.kv_budget_gb)
-
-    def make_process(i: int, port: int) -> ServerProcess:
-        return ServerProcess(
-            argv=sglang_argv(
-                python,
-                model_path,
-                port,
-                dtype=dtype,
-                max_model_len=max_len,
-                seed=seed + i,
-                memory_saver=ecfg.sleep_mode,
-                extra_args=list(ecfg.extra_args),
-                kv_tokens=kv_tokens,
-                kv_budget_fraction=ecfg.kv_budget_fraction,
-            ),
-            url=f"http://127.0.0.1:{port}",
-            log_path=work / f"sglang-{i}.log",
-            startup_timeout_s=ecfg.startup_timeout_s,
-        )
-
+    launcher = SglangLauncher(
+        python=ecfg.python or default_python(".venv-sglang"),
+        model_path=model_path,
+        work_dir=work,
+        dtype=dtype,
+        max_model_len=max_len,
+        seed=seed,
+        memory_saver=ecfg.sleep_mode,
+        extra_args=tuple(ecfg.extra_args),
+        kv_tokens=kv_pool_tokens(model_path, dtype, ecfg.kv_budget_gb),
+        kv_budget_fraction=ecfg.kv_budget_fraction,
+        startup_timeout_s=ecfg.startup_timeout_s,
+        tp_size=tensor_parallel_size,
+    )
+    if not ecfg.urls and place is None:
+        launcher.check()
     return launch_servers(
         SglangBackend(),
         ecfg,
         model_path,
         work,
-        make_process,
+        launcher,
         eos_token_ids=eos_token_ids,
         max_len=max_len,
         seed=seed,
+        place=place,
     )

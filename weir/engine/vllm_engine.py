@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,13 @@ class VllmBackend:
     """How weir speaks to a vLLM OpenAI-compatible server."""
 
     name = "vllm"
+    adapter: str | None = None  # the LoRA adapter requests run with (lora.sync=adapter)
 
     def request(
         self, context: list[int], params: SamplingParams, max_tokens: int, seed: int
     ) -> tuple[str, dict[str, Any]]:
         body = {
-            "model": SERVED_NAME,
+            "model": self.adapter or SERVED_NAME,
             "prompt": context,
             "max_tokens": max_tokens,
             "temperature": params.temperature,
@@ -93,15 +95,87 @@ class VllmBackend:
             raise ServerError(f"vLLM {url}{path} answered {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
 
-    async def load_from_disk(self, client: Any, url: str, path: str) -> None:
-        await self._post(
-            client, url, "/collective_rpc", method="weir_load_safetensors", args=[str(path)]
-        )
+    async def load_from_disk(self, client: Any, url: str, path: str, digest: bool = False) -> None:
+        await self._rpc(client, url, "weir_load_safetensors", str(path), digest)
         await self._post(client, url, "/reset_prefix_cache")
 
-    async def weights_hash(self, client: Any, url: str) -> list[str]:
-        out = await self._post(client, url, "/collective_rpc", method="weir_weights_hash")
+    async def adapters(self, client: Any, url: str) -> list[str]:
+        """The LoRA adapters the server has loaded (``/v1/models`` lists them beside the model)."""
+        resp = await client.get(url + "/v1/models", timeout=60.0)
+        if resp.status_code >= 400:
+            raise ServerError(f"vLLM {url}/v1/models answered {resp.status_code}")
+        return [m["id"] for m in resp.json().get("data", [])]
+
+    async def _rpc(self, client: Any, url: str, method: str, *args: Any, **kwargs: Any) -> list:
+        """`method` of weir's worker extension on every worker of the server; one result each."""
+        out = await self._post(
+            client, url, "/collective_rpc", method=method, args=list(args), kwargs=kwargs
+        )
         return list(out["results"]) if isinstance(out, dict) else list(out)
+
+    async def weights_hash(self, client: Any, url: str) -> list[str]:
+        return await self._rpc(client, url, "weir_weights_hash")
+
+    async def load_adapter(
+        self, client: Any, url: str, path: str, name: str, old: str | None = None
+    ) -> None:
+        """Load the peft adapter directory `path` as LoRA adapter `name` (vLLM's runtime LoRA
+        endpoint; the server runs with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING), after
+        unloading `old`."""
+        if old is not None:
+            resp = await client.post(
+                url + "/v1/unload_lora_adapter", json={"lora_name": old}, timeout=600.0
+            )
+            if resp.status_code >= 400 and resp.status_code != 404:
+                raise ServerError(
+                    f"vLLM {url}/v1/unload_lora_adapter answered {resp.status_code}: "
+                    f"{resp.text[:300]}"
+                )
+        resp = await client.post(
+            url + "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": str(path)},
+            timeout=600.0,
+        )
+        if resp.status_code >= 400:
+            raise ServerError(
+                f"vLLM {url}/v1/load_lora_adapter answered {resp.status_code}: {resp.text[:300]}"
+            )
+
+    # -- weights over a torch.distributed group (weir.sync.server_sync) ---------------------------
+
+    group_style = "weir"  # weir's worker extension builds the group as weir.sync.BroadcastGroup
+    per_tensor = False  # and receives each bucket as one flat buffer
+
+    async def workers(self, client: Any, url: str) -> int:
+        """How many workers (tensor-parallel ranks) the server has: each joins the group."""
+        return len(await self._rpc(client, url, "weir_worker_rank"))
+
+    async def init_broadcast(
+        self, client: Any, url: str, host: str, port: int, rank_offset: int, world_size: int,
+        backend: str, name: str,
+    ) -> None:  # fmt: skip
+        await self._rpc(
+            client, url, "weir_init_broadcast", host, port, rank_offset, world_size, backend, name
+        )
+
+    async def receive_broadcast(
+        self, client: Any, url: str, buckets: list, name: str, digest: bool = False
+    ) -> None:
+        """Receive every bucket (one call: the workers load each bucket as it arrives)."""
+        wire = [[[m.name, m.dtype, list(m.shape)] for m in bucket] for bucket in buckets]
+        await self._rpc(client, url, "weir_receive_broadcast", wire, digest)
+
+    async def loaded_digest(self, client: Any, url: str) -> list[str | None]:
+        return await self._rpc(client, url, "weir_loaded_digest")
+
+    async def reset_cache(self, client: Any, url: str) -> None:
+        await self._post(client, url, "/reset_prefix_cache")
+
+    async def memory(self, client: Any, url: str) -> list[dict]:
+        return await self._rpc(client, url, "weir_memory")
+
+    async def reset_memory_peak(self, client: Any, url: str) -> None:
+        await self._rpc(client, url, "weir_reset_memory_peak")
 
     async def sleep(self, client: Any, url: str) -> None:
         resp = await client.post(url + "/sleep", params={"level": "1"}, timeout=600.0)
@@ -132,8 +206,15 @@ def vllm_argv(
     on_gpu: bool | None = None,
     kv_budget_gb: float | None = None,
     kv_budget_fraction: float | None = None,
+    host: str = "127.0.0.1",
+    tensor_parallel_size: int = 1,
+    lora_rank: int | None = None,
 ) -> list[str]:
     """The command that starts one vLLM server for weir.
+
+    `host` is the address it listens on (a Ray node's own address when Ray placed it);
+    `tensor_parallel_size` its GPUs (``--tensor-parallel-size``); `lora_rank` switches on LoRA
+    adapters of up to that rank (``--enable-lora``), for adapter-only weight syncs.
 
     On a GPU, `engine.kv_budget_gb` becomes ``--kv-cache-memory-bytes`` and
     `engine.kv_budget_fraction` ``--gpu-memory-utilization`` (vLLM's meaning: the share of the
@@ -153,7 +234,7 @@ def vllm_argv(
         "--served-model-name",
         SERVED_NAME,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--dtype",
@@ -179,21 +260,28 @@ def vllm_argv(
             str(max(max_model_len, 2048)),
         ]
     else:
+        if tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
         if kv_budget_gb is not None:
             argv += ["--kv-cache-memory-bytes", str(int(kv_budget_gb * 1024**3))]
         if kv_budget_fraction is not None:
             argv += ["--gpu-memory-utilization", str(kv_budget_fraction)]
         if sleep_mode:  # vLLM's sleep mode exists on GPUs only
             argv.append("--enable-sleep-mode")
+    if lora_rank is not None:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
     return argv + list(extra_args)
 
 
-def vllm_env(kv_budget_gb: float | None) -> dict[str, str]:
+def vllm_env(kv_budget_gb: float | None, lora: bool = False) -> dict[str, str]:
     """Environment of a vLLM server: dev mode (``/collective_rpc``, ``/sleep``), weir's worker
     extension on the path, and on CPU a KV cache of `kv_budget_gb` GiB (whole GiB, at least 1;
-    1 when unset)."""
-    path = os.pathsep.join(p for p in (str(EXT_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    return {
+    1 when unset); with `lora`, adapters loadable at run time (lora.sync=adapter)."""
+    # only the extension: a PYTHONPATH inherited from weir's side (a Ray worker gets the driver's
+    # import path) would load weir's torch and transformers into vLLM's environment
+    path = str(EXT_DIR)
+    extra = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}
+    return extra | {
         "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONPATH": path,
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_budget_gb or 1.0))),
@@ -201,6 +289,52 @@ def vllm_env(kv_budget_gb: float | None) -> dict[str, str]:
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+@dataclass(frozen=True)
+class VllmLauncher:
+    """How one vLLM server of a run is started: ``launcher(index, port, host)`` is its (not yet
+    started) `ServerProcess`. Picklable, so a Ray actor on another node can start it there."""
+
+    python: str
+    model_path: str
+    work_dir: Path
+    dtype: str
+    max_model_len: int
+    seed: int
+    sleep_mode: bool
+    extra_args: tuple[str, ...]
+    kv_budget_gb: float | None
+    kv_budget_fraction: float | None
+    startup_timeout_s: float
+    tensor_parallel_size: int = 1
+    lora_rank: int | None = None
+
+    def check(self) -> None:
+        check_installed(self.python, "vllm", INSTALL_HINT)
+
+    def __call__(self, index: int, port: int, host: str = "127.0.0.1") -> ServerProcess:
+        return ServerProcess(
+            argv=vllm_argv(
+                self.python,
+                self.model_path,
+                port,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                seed=self.seed + index,
+                sleep_mode=self.sleep_mode,
+                extra_args=list(self.extra_args),
+                kv_budget_gb=self.kv_budget_gb,
+                kv_budget_fraction=self.kv_budget_fraction,
+                host=host,
+                tensor_parallel_size=self.tensor_parallel_size,
+                lora_rank=self.lora_rank,
+            ),
+            url=f"http://{host}:{port}",
+            log_path=Path(self.work_dir) / f"vllm-{index}.log",
+            env=vllm_env(self.kv_budget_gb, lora=self.lora_rank is not None),
+            startup_timeout_s=self.startup_timeout_s,
+        )
 
 
 def start_vllm(
@@ -211,47 +345,45 @@ def start_vllm(
     eos_token_ids: list[int],
     dtype: str,
     seed: int,
+    place: Any = None,
+    tensor_parallel_size: int = 1,
+    lora_rank: int | None = None,
 ) -> ServerEngine:
     """Start (or attach to) the vLLM servers of `ecfg` (an `EngineConfig`) and return the engine.
 
     Servers start in parallel; if one does not come up, the others are stopped and the error names
-    the log it wrote.
+    the log it wrote. `place` puts them somewhere else than child processes of this one
+    (`weir.engine.remote.launch_servers`); `lora_rank` starts them able to take LoRA adapters.
     """
     from weir.engine.remote import launch_servers
 
     work = Path(work_dir)
     max_len = model_max_len(model_path, ecfg.max_model_len)
-    python = ecfg.python or default_python()
-    if not ecfg.urls:
-        check_installed(python, "vllm", INSTALL_HINT)
-
-    def make_process(i: int, port: int) -> ServerProcess:
-        return ServerProcess(
-            argv=vllm_argv(
-                python,
-                model_path,
-                port,
-                dtype=dtype,
-                max_model_len=max_len,
-                seed=seed + i,
-                sleep_mode=ecfg.sleep_mode,
-                extra_args=list(ecfg.extra_args),
-                kv_budget_gb=ecfg.kv_budget_gb,
-                kv_budget_fraction=ecfg.kv_budget_fraction,
-            ),
-            url=f"http://127.0.0.1:{port}",
-            log_path=work / f"vllm-{i}.log",
-            env=vllm_env(ecfg.kv_budget_gb),
-            startup_timeout_s=ecfg.startup_timeout_s,
-        )
-
+    launcher = VllmLauncher(
+        python=ecfg.python or default_python(),
+        model_path=model_path,
+        work_dir=work,
+        dtype=dtype,
+        max_model_len=max_len,
+        seed=seed,
+        sleep_mode=ecfg.sleep_mode,
+        extra_args=tuple(ecfg.extra_args),
+        kv_budget_gb=ecfg.kv_budget_gb,
+        kv_budget_fraction=ecfg.kv_budget_fraction,
+        startup_timeout_s=ecfg.startup_timeout_s,
+        tensor_parallel_size=tensor_parallel_size,
+        lora_rank=lora_rank,
+    )
+    if not ecfg.urls and place is None:
+        launcher.check()
     return launch_servers(
         VllmBackend(),
         ecfg,
         model_path,
         work,
-        make_process,
+        launcher,
         eos_token_ids=eos_token_ids,
         max_len=max_len,
         seed=seed,
+        place=place,
     )

@@ -17,7 +17,7 @@ import torch
 
 from weir.adapters import adapter_extras, adapter_reward, adapter_reward_kwargs, adapter_rows
 from weir.config import Config
-from weir.config.devices import resolve_device, resolve_dtype
+from weir.config.devices import resolve_device
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
 from weir.data.sources import PromptSource, load_rows
 from weir.data.vision import VisionInputs, encode_vision_prompt, processor_of
@@ -29,6 +29,7 @@ from weir.loop.engine_memory import check_kv_budget
 from weir.loop.resume import say
 from weir.loop.role_policies import build_role_policies
 from weir.loop.selfcheck import run_selfcheck
+from weir.loop.server_engines import engine_placement, policy_engine, server_engine
 from weir.plugins import resolve
 from weir.rollout.combine import check_reward
 from weir.rollout.multi_agent import multi_agent_extras
@@ -59,7 +60,8 @@ class Components:
     eval_ctx: RolloutContext
     rollout_fn: Callable
     keep: Callable | None
-    sync: Any = None  # cluster.type=ray: the WeightSync from trainer rank 0 to the engine replicas
+    sync: Any = None  # Ray: the weight sync from the trainer ranks to the engines; in one process
+    # only lora.sync=adapter's (weir.sync.adapter_sync), else the engine takes the trainer's tensors
     critic: Critic | None = None  # algo.advantage=gae: PPO's value model
     cluster: Any = None  # cluster.type=ray: the RayParts to shut down at the end
     policies: Any = None  # multi_agent.policies=separate: weir.loop.role_policies.RolePolicies
@@ -96,8 +98,10 @@ class Components:
             return save_final_model(self.model, self.tokenizer, run_dir)
         from weir.train.sharded_checkpoint import save_model_files
 
-        self.trainer.save_hf(str(out), self.trainer.cluster.bucket_mb)
-        return save_model_files(self.model, self.tokenizer, out)
+        for role in self.cluster.roles or ("",):  # separate policies: <run>/model/<role>
+            self.trainer.save_hf(str(out / role), self.trainer.cluster.bucket_mb, role)
+            save_model_files(self.model, self.tokenizer, out / role)
+        return out
 
 
 def task_rows(cfg: Config, split: str) -> list[dict]:
@@ -241,17 +245,6 @@ def _takes_answer_key(spec: Any) -> bool:
 def _no_task_reward(sample: Any, row: dict) -> float:
     """The task reward when only the environment rewards (agent.reward: env); never called."""
     return 0.0
-
-
-def engine_placement(cfg: Config, model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    """The built-in engine's device and dtype: `engine.device` (auto: the trainer model's device)
-    and `engine.dtype` (auto: bfloat16 on CUDA, float32 on CPU)."""
-    p = next(model.parameters())
-    if cfg.engine.device == "auto":
-        device = p.device
-    else:
-        device = resolve_device(cfg.engine.device, key="engine.device")
-    return device, resolve_dtype(cfg.engine.dtype, device)
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> TorchEngine:
@@ -447,9 +440,16 @@ def build(
     if processor_of(tokenizer) is not None:
         _check_vision_run(cfg)
     if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
-        from weir.loop.ray_build import build_ray
+        from weir.loop.ray_build import build_ray, critic_model_path, ray_roles
 
-        ray_parts = build_ray(cfg, run_dir, run_model_path(cfg, run_dir))
+        ray_parts = build_ray(
+            cfg,
+            run_dir,
+            run_model_path(cfg, run_dir),
+            eos_token_ids(model, tokenizer),
+            roles=ray_roles(cfg, run_dir) if separate_policies(cfg) else None,
+            critic_path=critic_model_path(cfg, run_dir),
+        )
         trainer, engine = ray_parts.trainer, ray_parts.router
     elif separate_policies(cfg):  # a model, trainer and engine per role
         policies = build_role_policies(
@@ -458,8 +458,8 @@ def build(
             model,
             tokenizer,
             run_model_path(cfg, run_dir),
-            make_engine,
-            run_selfcheck if cfg.model.selfcheck else None,
+            partial(policy_engine, run_dir=run_dir, make_engine=make_engine),
+            run_selfcheck if cfg.model.selfcheck and cfg.engine.type == "torch" else None,
         )
         trainer, engine = policies.trainer, policies.engine
     else:
@@ -481,23 +481,22 @@ def build(
                     engine.close()
                     raise
         else:  # vllm / sglang servers, in their own processes
-            from weir.engine.remote import start_engine_servers
-
-            engine = start_engine_servers(
-                cfg.engine,
-                run_model_path(cfg, run_dir),
-                run_dir / "engine",
-                eos_token_ids(model, tokenizer),
-                dtype=str(engine_placement(cfg, model)[1]).removeprefix("torch."),
-                seed=cfg.run.seed,
-            )
+            engine = server_engine(cfg, model, tokenizer, run_model_path(cfg, run_dir), run_dir)
             if cfg.engine.urls:  # attached servers may hold other weights: load the trainer's
                 engine.update_weights_sync(trainer.weights(), 0)
+    adapters = None
+    if ray_parts is None and cfg.lora.enabled and cfg.lora.sync == "adapter":
+        from weir.sync.adapter_sync import LocalAdapterSync  # LoRA adapters alone to vLLM
+
+        adapters = LocalAdapterSync(trainer, engine, run_dir / "engine" / "adapters")
+        adapters.push(0)
     try:
         parts = _components(
             cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
         )
         parts.policies = policies
+        if adapters is not None:
+            parts.sync = adapters
         return parts
     except BaseException:
         if ray_parts is not None:
@@ -513,10 +512,22 @@ def separate_policies(cfg: Config) -> bool:
 
 
 def make_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic | None:
-    """PPO's critic when algo.advantage=gae (the config refuses it on Ray), else None."""
+    """PPO's critic when algo.advantage=gae in one process, else None (on Ray each trainer rank
+    holds its shard of the critic, weir.train.rank_build)."""
     if cfg.algo.advantage != "gae":
         return None
+    return policy_critic(cfg, model, run_dir)
+
+
+def policy_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Critic:
+    """The critic of the policy `model`: its own copy of the policy's initial backbone (of the
+    base model without adapters for LoRA, as trainer ranks build it), `critic.model_path`'s, or
+    with `critic.shared_backbone` the policy's own."""
+    from weir.train.lora import is_lora, merged_model
+
     settings = CriticSettings.from_config(cfg)
+    if is_lora(model) and not settings.critic.shared_backbone:
+        model = merged_model(model)  # B = 0 at the start: the base model's weights, no adapters
     build_dir = run_dir.parent / ".models"
     value_model = load_value_model(
         settings, model, build_dir, arch=cfg.model.arch, seed=cfg.model.init_seed
@@ -528,18 +539,21 @@ def _check_vision_run(cfg: Config) -> None:
     """Refuse, before any work, the parts of a run that would drop a VLM's images."""
     if separate_policies(cfg):
         raise ValueError(
-            "multi_agent.policies=separate does not run vision-language models yet: use "
-            "multi_agent.policies=shared, or a text model"
+            "multi_agent.policies=separate with a vision-language model: the multi-agent rollout "
+            "builds every role's view from the turns' text and carries no images, so the policies "
+            "would train on prompts without their pictures; use a text model (docs/multimodal.md)"
         )
     if cfg.engine.process:
         raise ValueError(
             "a vision-language model's engine runs in the trainer's process: set "
             "engine.process=false (docs/multimodal.md)"
         )
-    if cfg.engine.type != "torch" or cfg.cluster.type != "local":
+    if cfg.engine.type != "torch":
         raise ValueError(
-            f"a vision-language model runs on engine.type=torch with cluster.type=local only (got "
-            f"{cfg.engine.type} / {cfg.cluster.type}): set both (docs/multimodal.md)"
+            f"a vision-language model with engine.type={cfg.engine.type}: weir sends a server "
+            "token ids over its completions endpoint, which carries no images, so the server "
+            "would not see what weir's processor placed in the prompt; use engine.type=torch "
+            "(docs/multimodal.md)"
         )
     if "multi_agent" in cfg.rollout.function:
         raise ValueError(

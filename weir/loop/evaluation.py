@@ -27,7 +27,7 @@ def run_eval(cfg: Config) -> dict[str, float]:
     """Mean reward, accuracy and pass@k of `cfg.model.path` on the eval split (a run with
     multi_agent.policies=separate: each role's policy from ``<model.path>/<role>``)."""
     if separate_policies(cfg):
-        engine, tokenizer = eval_engines(cfg, make_engine)
+        engine, tokenizer = eval_engines(cfg, lambda c, m, t, *_: make_engine(c, m, t))
     else:
         model, tokenizer = load_run_model(cfg, Path(cfg.run.dir or "runs/eval"))
         engine = make_engine(cfg, model.eval(), tokenizer)

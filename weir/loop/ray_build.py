@@ -1,10 +1,15 @@
 """The Ray side of `build`: trainer ranks, engine replicas behind a router, and the weight sync.
 
 Chosen by `cluster.type=ray`; everything else in the config means what it means in one process.
+The features live in the pieces that own them: LoRA, the critic and one policy per role in the
+trainer ranks (weir.train.rank_build); engines of any type placed on the engines' bundles, one
+group of `cluster.engines.replicas` per policy; a weight sync per policy from the ranks' shards to
+its engines (weir.sync).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +21,14 @@ from weir.cluster import RayCluster
 from weir.cluster.rewards import RewardPool
 from weir.config import Config
 from weir.config.devices import resolve_dtype
+from weir.engine.remote import start_engine_servers
+from weir.engine.role_router import RoleRouter
 from weir.engine.router import Router
+from weir.engine.server_engine import ServerEngine
+from weir.engine.server_host import ray_placement
 from weir.sync.coordinator import WeightSync
 from weir.sync.endpoints import SyncEngineWorker, SyncTrainerRank
+from weir.sync.server_sync import ServerSync
 from weir.train.distributed import RankSettings, TrainerGroup
 
 
@@ -26,9 +36,10 @@ from weir.train.distributed import RankSettings, TrainerGroup
 class RayParts:
     cluster: RayCluster
     trainer: TrainerGroup
-    router: Router
-    sync: WeightSync
+    router: Any  # one policy: a Router (torch) or ServerEngine (vLLM / SGLang); else a RoleRouter
+    sync: Any  # WeightSync / ServerSync, or RoleSyncs over one per policy
     reward_pool: RewardPool | None = None
+    roles: tuple[str, ...] = ()  # multi_agent.policies=separate: the policies, by role
 
     def rewards(self, fn: Callable) -> Callable:
         """`fn` scored in `cluster.reward_workers` Ray actors instead of the driver."""
@@ -43,6 +54,44 @@ class RayParts:
         self.cluster.shutdown()
 
 
+class RoleSyncs:
+    """One weight sync per policy (multi_agent.policies=separate) as one: a push delivers every
+    role's weights to its own engines under the same version."""
+
+    def __init__(self, syncs: dict[str, Any]) -> None:
+        self.syncs = dict(syncs)
+
+    def push(self, version: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for sync in self.syncs.values():
+            for k, v in sync.push(version).items():
+                summed = k.startswith(("time/", "sync/mb", "sync/gather_s", "sync/deliver_s"))
+                out[k] = out.get(k, 0.0) + v if summed and k != "sync/mb_per_s" else v
+        if out.get("time/sync"):
+            out["sync/mb_per_s"] = out.get("sync/mb", 0.0) / out["time/sync"]
+        return out
+
+
+def ray_roles(cfg: Config, run_dir: Path) -> dict[str, str]:
+    """multi_agent.policies=separate on Ray: each role's model directory (built here for a
+    `tiny:` model), for the ranks to load."""
+    from weir.loop.role_policies import role_model_path
+
+    return {r.name: role_model_path(cfg, run_dir, r) for r in cfg.multi_agent.roles}
+
+
+def critic_model_path(cfg: Config, run_dir: Path) -> str | None:
+    """`critic.model_path` resolved (a `tiny:` model built next to the run), or None."""
+    from weir.train.model import resolve_model_path
+
+    c = cfg.critic
+    if cfg.algo.advantage != "gae" or c.model_path is None or c.shared_backbone:
+        return None
+    return resolve_model_path(
+        c.model_path, run_dir.parent / ".models", arch=cfg.model.arch, seed=cfg.model.init_seed
+    )
+
+
 def load_for_engine(model_path: str, dtype: str) -> tuple[Any, Any, list[int]]:
     """How an engine replica loads its model: the trainer's loader, so both run the same HF class."""
     from weir.train.model import eos_token_ids, load_model
@@ -51,24 +100,154 @@ def load_for_engine(model_path: str, dtype: str) -> tuple[Any, Any, list[int]]:
     return model, tokenizer, eos_token_ids(model, tokenizer)
 
 
-def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
-    """Start (or join) Ray, place trainer ranks and engines, connect the weight sync."""
-    import ray
-
+def build_ray(
+    cfg: Config,
+    run_dir: Path,
+    model_path: str,
+    eos_token_ids: list[int] | None = None,
+    *,
+    roles: dict[str, str] | None = None,
+    critic_path: str | None = None,
+) -> RayParts:
+    """Start (or join) Ray, place trainer ranks and engines, connect the weight sync. `roles`:
+    multi_agent.policies=separate, each role's model directory; `critic_path`: critic.model_path
+    (both resolved by the driver)."""
     c = cfg.cluster
-    cluster = RayCluster(c).start()
+    groups = dict(roles) if roles else {"": model_path}
+    cluster = RayCluster(c, engine_groups=len(groups)).start()
     try:
-        trainer = TrainerGroup(
-            cluster, RankSettings.from_config(cfg), model_path, rank_cls=SyncTrainerRank
+        settings = dataclasses.replace(
+            RankSettings.from_config(cfg),
+            roles=tuple(roles.items()) if roles else (),
+            critic_path=critic_path,
         )
+        trainer = TrainerGroup(cluster, settings, model_path, rank_cls=SyncTrainerRank)
+        engines: dict[str, Any] = {}
+        syncs: dict[str, Any] = {}
+        try:
+            for k, (role, path) in enumerate(groups.items()):
+                group = EngineGroup(cfg, cluster, trainer, run_dir, role, path, k, len(groups))
+                engines[role], syncs[role] = group.start(eos_token_ids or [])
+        except BaseException:
+            for e in engines.values():
+                e.close()
+            raise
+    except BaseException:
+        cluster.shutdown()
+        raise
+    if not roles:
+        return RayParts(cluster, trainer, engines[""], syncs[""])
+    router = RoleRouter(engines, sleep_while_training=False)
+    return RayParts(cluster, trainer, router, RoleSyncs(syncs), roles=tuple(roles))
+
+
+def engine_dtype(cfg: Config) -> str:
+    """The engines' weight dtype on their device (`engine.dtype`, auto: bf16 on GPUs)."""
+    device = torch.device("cuda" if cfg.cluster.engines.gpus > 0 else "cpu")
+    return str(resolve_dtype(cfg.engine.dtype, device)).removeprefix("torch.")
+
+
+def sync_backend(cfg: Config) -> str:
+    """NCCL when trainer ranks and engines both have GPUs, else gloo."""
+    c = cfg.cluster
+    return "nccl" if c.trainer.gpus_per_rank > 0 and c.engines.gpus > 0 else "gloo"
+
+
+@dataclass
+class EngineGroup:
+    """The engines of one policy: `cluster.engines.replicas` replicas (group k's take engine
+    bundles k * replicas ...), of `engine.type`, and the weight sync from the ranks into them."""
+
+    cfg: Config
+    cluster: RayCluster
+    trainer: TrainerGroup
+    run_dir: Path
+    role: str
+    model_path: str
+    index: int = 0
+    count: int = 1
+
+    @property
+    def first_bundle(self) -> int:
+        return self.index * self.cfg.cluster.engines.replicas
+
+    @property
+    def work_dir(self) -> Path:
+        return self.run_dir / "engine" / self.role if self.role else self.run_dir / "engine"
+
+    def start(self, eos_token_ids: list[int]) -> tuple[Any, Any]:
+        if self.cfg.engine.type == "torch":
+            return self.torch_engines()
+        return self.server_engines(eos_token_ids)
+
+    def placement(self) -> Any:
+        """Server replicas as `ServerHost` actors on this group's bundles (one per replica, each
+        owning its server process on its node)."""
+        first = self.first_bundle
+        return ray_placement(lambda i: self.cluster.engine_options(first + i))
+
+    def urls(self) -> list[str]:
+        """`engine.urls` of this group: the list split evenly between the groups, in role order."""
+        urls = list(self.cfg.engine.urls)
+        per = len(urls) // self.count
+        return urls[self.index * per : (self.index + 1) * per]
+
+    def server_engines(self, eos_token_ids: list[int]) -> tuple[ServerEngine, ServerSync]:
+        """vLLM / SGLang servers placed on the group's bundles (or attached by `engine.urls`), and
+        the sync from the trainer's shards into them. Attached servers are given the trainer's
+        weights at once (they may hold others); servers weir starts load the same files as the
+        trainer."""
+        cfg, c = self.cfg, self.cfg.cluster
+        gpus = c.engines.gpus
+        ecfg = cfg.engine.model_copy(update={"replicas": c.engines.replicas, "urls": self.urls()})
+        lora = cfg.lora
+        engine = start_engine_servers(
+            ecfg,
+            self.model_path,
+            self.work_dir,
+            eos_token_ids,
+            dtype=engine_dtype(cfg),
+            seed=cfg.run.seed + self.index,
+            place=self.placement(),
+            tensor_parallel_size=max(1, int(gpus)) if gpus >= 1 else 1,
+            lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else None,
+        )
+        try:
+            transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
+            if lora.enabled and lora.sync == "adapter":
+                transport = "adapter"
+            sync = ServerSync(
+                self.trainer,
+                engine,
+                transport,
+                bucket_mb=c.bucket_mb,
+                backend=sync_backend(cfg),
+                dtype=engine_dtype(cfg),
+                disk_dir=c.sync_dir or self.run_dir / "weights" / (self.role or "policy"),
+                model_dir=self.model_path,
+                role=self.role,
+                verify=c.verify_sync,
+            )
+            if ecfg.urls or transport == "adapter":
+                sync.push(0)
+        except BaseException:
+            engine.close()
+            raise
+        return engine, sync
+
+    def torch_engines(self) -> tuple[Router, WeightSync]:
+        """weir's own engine as `SyncEngineWorker` actors behind a `Router`, and the weight sync."""
+        import ray
+
+        cfg, c = self.cfg, self.cfg.cluster
         remote = ray.remote(SyncEngineWorker)
         replicas = [
-            remote.options(**cluster.engine_options(i)).remote(
+            remote.options(**self.cluster.engine_options(self.first_bundle + i)).remote(
                 cfg.engine,
-                model_path,
+                self.model_path,
                 i,
                 load_for_engine,
-                seed=cfg.run.seed,
+                seed=cfg.run.seed + self.index * c.engines.replicas,
                 on_gpu=c.engines.gpus > 0,
                 cudnn_attention=cfg.model.cudnn_attention,
                 deterministic=cfg.run.deterministic,
@@ -77,26 +256,24 @@ def build_ray(cfg: Config, run_dir: Path, model_path: str) -> RayParts:
             for i in range(c.engines.replicas)
         ]
         ray.get([r.ping.remote() for r in replicas])
-        router = Router(replicas, seed=cfg.run.seed)
+        router = Router(replicas, seed=cfg.run.seed + self.index)
         router.sleep_mode = c.colocate and cfg.engine.sleep_while_training
         router.sleep_offload_weights = cfg.engine.sleep_offload_weights
         transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
-        engine_device = torch.device("cuda" if c.engines.gpus > 0 else "cpu")
         sync = WeightSync(
-            trainer,
+            self.trainer,
             router,
             transport,
-            disk_dir=c.sync_dir or run_dir / "weights",
+            disk_dir=c.sync_dir or self.run_dir / "weights" / (self.role or "policy"),
             bucket_mb=c.bucket_mb,
-            backend="nccl" if c.trainer.gpus_per_rank > 0 and c.engines.gpus > 0 else "gloo",
-            dtype=str(resolve_dtype(cfg.engine.dtype, engine_device)).removeprefix("torch."),
+            backend=sync_backend(cfg),
+            dtype=engine_dtype(cfg),
             host_handles=c.colocate,
+            role=self.role,
+            verify=c.verify_sync,
         )
         router.restore = sync.restore
-    except BaseException:
-        cluster.shutdown()
-        raise
-    return RayParts(cluster, trainer, router, sync)
+        return router, sync
 
 
 def describe(parts: Any) -> dict[str, float]:

@@ -41,9 +41,18 @@ class RolePolicies:
     engine: RoleRouter
 
     def save_models(self, out: Path, tokenizer: Any) -> Path:
-        """Each role's current weights as an HF directory ``<out>/<role>/``; returns `out`."""
+        """Each role's current weights as an HF directory ``<out>/<role>/`` (LoRA merged, and the
+        adapter alone in ``<out>/<role>/adapter``); returns `out`."""
+        from weir.train.lora import is_lora, merged_model
+
         for role, model in self.models.items():
-            save_model(model, tokenizer, out / role)
+            if is_lora(model):
+                save_model(model, tokenizer, out / role / "adapter")
+                plain = merged_model(model)
+                plain.config.use_cache = True
+                save_model(plain, tokenizer, out / role)
+            else:
+                save_model(model, tokenizer, out / role)
         return out
 
 
@@ -67,11 +76,13 @@ def build_role_policies(
     make_engine: Any,
     selfcheck: Any = None,
 ) -> RolePolicies:
-    """A model, `Actor` and engine per role of ``cfg.multi_agent.roles``.
+    """A model, `Actor` (a `LoraActor` with lora.enabled), critic (algo.advantage=gae) and
+    engine per role of ``cfg.multi_agent.roles``.
 
     `model` (loaded from `base_path`) becomes the first role's that starts from there; the others
-    load their own copy. `make_engine(cfg, model, tokenizer)` builds one role's engine (role k's
-    engine seeded with run.seed + k, so two roles' unseeded requests draw different streams);
+    load their own copy. `make_engine(cfg, model, tokenizer, path, role)` builds one role's engine
+    (role k's engine seeded with run.seed + k, so two roles' unseeded requests draw different
+    streams);
     `selfcheck(model, engine, train_cfg)` probes each distinct model once. A model whose tokenizer
     differs from the run's is refused with the role's name. Engines already started are closed
     when a later role fails."""
@@ -80,6 +91,7 @@ def build_role_policies(
     settings = ActorSettings.from_config(cfg)
     models: dict[str, torch.nn.Module] = {}
     actors: dict[str, Actor] = {}
+    critics: dict[str, Any] = {}
     engines: dict[str, Any] = {}
     checked: set[str] = set()
     try:
@@ -91,12 +103,20 @@ def build_role_policies(
                 role_model, role_tok = load_model(path, precision.param_dtype, precision.device)
                 _check_tokenizer(role.name, path, role_tok, tokenizer)
                 model_support(role_model.config)
+            if cfg.lora.enabled:  # adapters on this role's model (weir.train.lora)
+                from weir.train.lora import LoraActor, apply_lora
+
+                role_model = apply_lora(role_model, cfg.lora, base_path=path, seed=cfg.run.seed)
+                actors[role.name] = LoraActor(role_model, settings)
+            else:
+                actors[role.name] = Actor(role_model, settings)
             models[role.name] = role_model
-            actors[role.name] = Actor(role_model, settings)
+            if cfg.algo.advantage == "gae":
+                critics[role.name] = role_critic(cfg, role_model, run_dir)
             seeded = cfg.model_copy(
                 update={"run": cfg.run.model_copy(update={"seed": cfg.run.seed + k})}
             )
-            engines[role.name] = make_engine(seeded, role_model, tokenizer)
+            engines[role.name] = make_engine(seeded, role_model, tokenizer, path, role.name)
             if selfcheck is not None and path not in checked:
                 selfcheck(role_model, engines[role.name], cfg.train)
                 checked.add(path)
@@ -105,12 +125,20 @@ def build_role_policies(
             e.close()
         raise
     offload = {
-        r: cfg.engine.sleep_offload_weights and e.model is not models[r] for r, e in engines.items()
+        r: cfg.engine.sleep_offload_weights and getattr(e, "model", None) is not models[r]
+        for r, e in engines.items()
     }
     router = RoleRouter(
         engines, sleep_while_training=cfg.engine.sleep_while_training, offload_weights=offload
     )
-    return RolePolicies(models=models, trainer=RoleTrainer(actors), engine=router)
+    return RolePolicies(models=models, trainer=RoleTrainer(actors, critics), engine=router)
+
+
+def role_critic(cfg: Config, model: torch.nn.Module, run_dir: Path) -> Any:
+    """A role's critic (algo.advantage=gae), made as a run with one policy makes its own."""
+    from weir.loop.components import policy_critic
+
+    return policy_critic(cfg, model, run_dir)
 
 
 def _check_tokenizer(role: str, path: str, tok: Any, run_tok: Any) -> None:
@@ -141,7 +169,7 @@ def eval_engines(cfg: Config, make_engine: Any) -> tuple[RoleRouter, Any]:
                 tokenizer = tok
             else:
                 _check_tokenizer(role.name, path, tok, tokenizer)
-            engines[role.name] = make_engine(cfg, model.eval(), tok)
+            engines[role.name] = make_engine(cfg, model.eval(), tok, path, role.name)
     except BaseException:
         for e in engines.values():
             e.close()

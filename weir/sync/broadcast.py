@@ -64,11 +64,40 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[Tensor
     return buckets
 
 
+STYLES = ("weir", "sglang")
+"""How a group is built. ``weir``: a TCPStore at rank 0, prefixed by the group's name, and the
+backend's process group on it (weir's engine workers and weir's vLLM worker extension build it so).
+``sglang``: SGLang's ``init_custom_process_group`` (a ``tcp://`` rendezvous, the store prefixed by
+the group name, torch's ``_new_process_group_helper``), which a server's
+``/init_weights_update_group`` runs on its side: both ends must build the group the same way."""
+
+
+def sglang_style_group(
+    host: str, port: int, rank: int, size: int, backend: str, name: str, timeout
+) -> dist.ProcessGroup:
+    """A process group built as SGLang builds its weight-update group (see `STYLES`)."""
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, size = next(rendezvous(f"tcp://{host}:{port}", rank, size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        size, rank, [], backend, PrefixStore(name, store), group_name=name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+    return pg
+
+
 class BroadcastGroup:
     """One member of a weight-broadcast group (rank 0 sends, the others receive).
 
     Every member must construct it at about the same time (rendezvous through rank 0's TCPStore
-    at `host:port`).
+    at `host:port`). `style` says how the group is built (`STYLES`); `per_tensor` sends a bucket
+    as one broadcast per tensor instead of one of the flat buffer (SGLang receives so).
     """
 
     def __init__(
@@ -81,18 +110,29 @@ class BroadcastGroup:
         backend: str = "gloo",
         name: str = "weir-sync",
         timeout_s: float = 600.0,
+        style: str = "weir",
+        per_tensor: bool = False,
     ) -> None:
+        if style not in STYLES:
+            raise ValueError(f"BroadcastGroup: unknown style {style!r}; use one of {STYLES}")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.backend = rank, size, backend
+        self.per_tensor = per_tensor
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self._registered = style == "sglang"  # torch's registry holds it by name until destroyed
+        if style == "sglang":
+            self.pg = sglang_style_group(host, port, rank, size, backend, name, timeout)
+            return
         self.store = dist.TCPStore(
             host, port, size, rank == 0, timeout=timeout, wait_for_workers=False
         )
         prefix = dist.PrefixStore(name, self.store)
         if backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
             self.pg = dist.ProcessGroupNCCL(prefix, rank, size)
         else:
-            self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
 
     def _broadcast(self, buf: Tensor) -> None:
@@ -108,12 +148,26 @@ class BroadcastGroup:
             sent += self.send_flat(flat)
         return sent
 
-    def send_flat(self, flat: Tensor) -> int:
+    def send_flat(self, flat: Tensor, bucket: list[TensorMeta] | None = None) -> int:
         """Root: broadcast one bucket's flat buffer (moved to the group's device if it is not
-        there); returns its bytes."""
+        there), whole, or with `per_tensor` one view per tensor of `bucket`; returns its bytes."""
         assert self.rank == 0, "only rank 0 sends"
-        self._broadcast(flat if flat.device == self.device else flat.to(self.device))
+        flat = flat if flat.device == self.device else flat.to(self.device)
+        if self.per_tensor:
+            if bucket is None:
+                raise ValueError("a per-tensor group sends a bucket with its tensors' metas")
+            for m, part in zip(bucket, flat.split([m.numel for m in bucket]), strict=True):
+                self._broadcast(part.view(m.shape))
+        else:
+            self._broadcast(flat)
         return flat.numel() * flat.element_size()
+
+    def close(self) -> None:
+        """Let go of the process group (its connections close when the last reference goes; one
+        built SGLang's way is also taken out of torch's registry of named groups)."""
+        if self._registered and self.pg is not None:
+            dist.destroy_process_group(self.pg)
+        self.pg = None
 
     def recv(self, buckets: list[list[TensorMeta]]) -> dict[str, Tensor]:
         """Receiver: the tensors of every bucket, by name."""

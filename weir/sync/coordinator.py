@@ -50,6 +50,10 @@ class WeightSync:
         host_handles: engines on rank 0's host (both on the CPU) take buckets by shared-memory
             handle instead of the broadcast group (colocated placement). Engines on rank 0's GPU
             always take CUDA IPC handles.
+        role: the policy whose weights these engines run (multi_agent.policies=separate), "" for
+            the one policy.
+        verify: after each push, check every replica's weights against the trainer's
+            (`cluster.verify_sync`).
     """
 
     def __init__(
@@ -63,7 +67,10 @@ class WeightSync:
         backend: str = "gloo",
         dtype: str | None = None,
         host_handles: bool = False,
+        role: str = "",
+        verify: bool = False,
     ) -> None:
+        self.role, self.verify = role, verify
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"cluster.weight_sync: unknown transport {transport!r}; use one of {TRANSPORTS}"
@@ -104,7 +111,7 @@ class WeightSync:
                 self._members = None
                 nbytes, offload_s = self._stream(self._answering(self.router.live()), version)
         else:
-            metas = self.trainer.call("gather")[0]
+            metas = self.trainer.call("gather", self.role)[0]
             gathered = time.perf_counter()
             nbytes = sum(m.nbytes for m in metas)
             try:
@@ -122,7 +129,9 @@ class WeightSync:
         self.version = self.router.version = version
         end = time.perf_counter()
         deliver = end - gathered - offload_s
+        checked = {"sync/verified": self.check(version)} if self.verify else {}
         return {
+            **checked,
             "time/sync": end - start,
             "sync/gather_s": gathered - start,
             "sync/deliver_s": deliver,
@@ -132,6 +141,23 @@ class WeightSync:
             "cluster/engine_retries": float(self.router.retries),
             "cluster/engine_restarts": float(self.router.restarts),
         }
+
+    def check(self, version: int) -> float:
+        """1.0 when every live replica holds exactly the trainer's weights (hashes of the names
+        that travel, gathered from the shards one tensor at a time); raises otherwise."""
+        import ray
+
+        names = [m.name for bucket in self._layout() for m in bucket]
+        want = self.trainer.call("wire_hash", self.dtype, self.role)[0]
+        live = self.router.live()
+        got = ray.get([r.weights_hash.remote(names) for _, r in live])
+        wrong = [i for (i, _), h in zip(live, got, strict=True) if h != want]
+        if wrong:
+            raise RuntimeError(
+                f"weight sync: engine replicas {wrong} hold other weights than the trainer after "
+                f"version {version} (cluster.verify_sync)"
+            )
+        return 1.0
 
     @staticmethod
     def _answering(live: list[tuple[int, Any]], timeout_s: float = 30.0) -> list[tuple[int, Any]]:
@@ -154,7 +180,9 @@ class WeightSync:
         large as the largest tensor (which travels alone in one anyway): rank 0's two staging
         buffers are that large already, and fewer buckets are fewer round trips."""
         if self._metas is None:
-            self._metas = self.trainer.get([self.trainer.rank0.layout.remote(self.dtype)])[0]
+            self._metas = self.trainer.get(
+                [self.trainer.rank0.layout.remote(self.dtype, self.role)]
+            )[0]
         handles_only = self._members is not None and not self._members
         size = self.bucket_bytes
         if handles_only:
@@ -176,7 +204,9 @@ class WeightSync:
         recv = [actors[i].receive.remote(buckets, version) for i in self._members or ()]
         recv += [a.receive_shared.remote(buckets, version) for a in shared]
         sent = self.trainer.collective(
-            lambda r, rank: rank.stream.remote(buckets, shared if r == 0 else [], version)
+            lambda r, rank: rank.stream.remote(
+                buckets, shared if r == 0 else [], version, self.role
+            )
         )[0]
         ray.get(recv)
         return sent
@@ -191,12 +221,16 @@ class WeightSync:
         self._shared = [i for (i, _), s in zip(live, same, strict=True) if s]
         members = [(i, r) for (i, r), s in zip(live, same, strict=True) if not s]
         if not members:
-            self.trainer.get([self.trainer.rank0.leave.remote()])
+            self.trainer.get([self.trainer.rank0.leave.remote(self.role)])
         else:
             host, port = self.trainer.get([self.trainer.rank0.sync_address.remote()])[0]
-            name = f"weir-sync-{next(self._generation)}"
+            name = f"weir-sync-{self.role}-{next(self._generation)}"
             size = len(members) + 1
-            refs = [self.trainer.rank0.join.remote(host, port, size, name, self.backend)]
+            refs = [
+                self.trainer.rank0.join.remote(
+                    host, port, size, name, self.backend, "weir", False, self.role
+                )
+            ]
             refs += [
                 r.join.remote(host, port, k + 1, size, name, self.backend)
                 for k, (_, r) in enumerate(members)

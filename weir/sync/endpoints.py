@@ -11,10 +11,9 @@ push (`release`).
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,15 +21,21 @@ import torch
 from weir.engine.ray_engine import EngineWorker
 from weir.sync.broadcast import BroadcastGroup, TensorMeta
 from weir.sync.disk import DiskStore
-from weir.sync.handles import Handle, alloc_shareable, open_handle, share
+from weir.sync.handles import Handle
+from weir.sync.handoff import HANDLE_TIMEOUT_S, Inbox, Staging
 from weir.sync.hashing import weights_hash
 from weir.sync.host_memory import peak_rss, reset_peak_rss, rss
-from weir.sync.shards import gather_buckets, sharded_hash, unique_tensors, wire_metas
+from weir.sync.shards import (
+    full_tensor,
+    gather_buckets,
+    sharded_digest,
+    sharded_hash,
+    unique_tensors,
+    wire_metas,
+)
 from weir.train.batch import TrainBatch
 from weir.train.distributed import TrainerRank, free_port
 from weir.train.offload import StateMover, host_bytes, move_trainer
-
-HANDLE_TIMEOUT_S = 600.0
 
 
 def device_key(device: torch.device) -> tuple[str, str]:
@@ -47,8 +52,8 @@ class SyncTrainerRank(TrainerRank):
     """A trainer rank that publishes its weights from its shards, or by disk / object store."""
 
     _full: dict[str, torch.Tensor] | None = None
-    _group: BroadcastGroup | None = None
-    _mover: StateMover | None = None
+    _groups: dict[str, BroadcastGroup] | None = None  # rank 0: the broadcast group of each policy
+    _movers: dict[int, StateMover] | None = None  # by id of the optimizer whose state it moves
 
     @property
     def _offloads(self) -> bool:
@@ -106,59 +111,87 @@ class SyncTrainerRank(TrainerRank):
     def load_hf(self, model_dir: str) -> None:
         self._on_device("load_hf", model_dir)
 
-    def save_hf(self, out: str, bucket_mb: float) -> list[str]:
-        return self._on_device("save_hf", out, bucket_mb)
+    def _movables(self) -> list[tuple[list[torch.nn.Module], Any]]:
+        """(modules, optimizer) of every model this rank holds: each policy with its reference,
+        each critic."""
+        out = []
+        for role, a in self.policies.items():
+            ref = a.ref if isinstance(a.ref, torch.nn.Module) else None  # LoRA: adapters off
+            out.append(([a.model, ref], a.optimizer))
+            if role in self.critics:
+                c = self.critics[role]
+                out.append(([c.model], c.optimizer))
+        return out
 
-    @property
-    def _state_mover(self) -> StateMover:
-        if self._mover is None:
+    def _state_mover(self, optimizer: Any) -> StateMover:
+        """The `StateMover` of one optimizer (each keeps its own stream and step hook)."""
+        self._movers = self._movers if self._movers is not None else {}
+        key = id(optimizer)
+        if key not in self._movers:
             pinned = self.settings.cluster.offload_pinned
-            self._mover = StateMover(torch.device(self.device), pinned=pinned)
-        return self._mover
+            self._movers[key] = StateMover(torch.device(self.device), pinned=pinned)
+        return self._movers[key]
 
     def offload(self, *, keep_params: bool = False) -> int:
-        """Colocated on a GPU: move the parameter shards (unless `keep_params`), the reference
-        model's and the optimizer state to host memory, and free the gradients (the next step
+        """Colocated on a GPU: move the parameter shards (unless `keep_params`: the policies'), the
+        references' and the optimizer state to host memory, and free the gradients (the next step
         zeroes them before its backward, so moving them would copy dead values both ways). A
         weight sync works either way: it moves each offloaded shard to the device as it gathers
         it. Returns the bytes moved; 0 when not colocated or on the CPU.
 
-        After a step (`keep_params`) the optimizer state leaves on a stream of its own
+        After a step (`keep_params`) the optimizer states leave on streams of their own
         (`StateMover`) while the weight sync that follows runs; the sync's own offload (without
-        `keep_params`) completes it."""
-        if not self._offloads or self.actor is None:
+        `keep_params`) completes them."""
+        if not self._offloads or not self.policies:
             return 0
-        a = self.actor
-        a.optimizer.zero_grad(set_to_none=True)
         pinned = self.settings.cluster.offload_pinned
         host = torch.device("cpu")
-        if keep_params:  # the reference leaves now, and the cached memory goes back to the device
-            moved = move_trainer([a.ref], None, host, pinned=pinned)
-            return moved + self._state_mover.to_host(a.optimizer)
-        self._state_mover.wait()
-        return move_trainer([a.model, a.ref], a.optimizer, host, pinned=pinned)
+        movables = self._movables()
+        for _, optimizer in movables:
+            optimizer.zero_grad(set_to_none=True)
+        moved = 0
+        if keep_params:  # the references (and critics) leave now, then the states on their streams
+            policies = {id(a.model) for a in self.policies.values()}
+            for modules, _ in movables:
+                rest = [m for m in modules if m is None or id(m) not in policies]
+                moved += move_trainer(rest, None, host, pinned=pinned)
+            for _, optimizer in movables:
+                moved += self._state_mover(optimizer).to_host(optimizer)
+            return moved
+        for modules, optimizer in movables:
+            self._state_mover(optimizer).wait()
+            moved += move_trainer(modules, optimizer, host, pinned=pinned)
+        return moved
 
     def onload(self, *, overlap_state: bool = False) -> int:
         """Undo `offload`; returns the bytes moved. With `overlap_state` (before a step) the
-        optimizer state comes on a stream of its own while the forward and backward run, and the
-        optimizer's step waits for it (`StateMover`)."""
-        if not self._offloads or self.actor is None:
+        optimizer states come on streams of their own while the forward and backward run, and
+        each optimizer's step waits for its own (`StateMover`)."""
+        if not self._offloads or not self.policies:
             return 0
-        a = self.actor
         pinned = self.settings.cluster.offload_pinned
         device = torch.device(self.device)
-        self._state_mover.wait()  # a move still in flight lands before this one starts
+        movables = self._movables()
+        for _, optimizer in movables:  # a move still in flight lands before this one starts
+            self._state_mover(optimizer).wait()
         if not overlap_state:
-            return move_trainer([a.model, a.ref], a.optimizer, device, pinned=pinned)
-        moved = move_trainer([a.model, a.ref], None, device, pinned=pinned)
-        return moved + self._state_mover.to_device(a.optimizer, device)
+            return sum(
+                move_trainer(modules, optimizer, device, pinned=pinned)
+                for modules, optimizer in movables
+            )
+        moved = sum(move_trainer(modules, None, device, pinned=pinned) for modules, _ in movables)
+        for _, optimizer in movables:
+            moved += self._state_mover(optimizer).to_device(optimizer, device)
+        return moved
 
     def device_memory(self) -> dict[str, int]:
         """CUDA memory this process holds (allocated / reserved by torch), and the bytes of its
         parameters and optimizer state in host memory, pinned or not (`host_bytes`); device
         figures are zeros on CPU."""
-        a = self.actor
-        host = host_bytes([a.model, a.ref], a.optimizer) if a is not None else {}
+        host: dict[str, int] = {}
+        for modules, optimizer in self._movables():
+            for k, v in host_bytes(modules, optimizer).items():
+                host[k] = host.get(k, 0) + v
         if not self.device.startswith("cuda"):
             return {"allocated": 0, "reserved": 0, **host}
         return {
@@ -167,18 +200,25 @@ class SyncTrainerRank(TrainerRank):
             **host,
         }
 
-    def _sharded(self) -> dict[str, torch.Tensor]:
-        """This rank's shards by name (DTensors; no gather; whole tensors on a group of one rank),
-        tied tensors once."""
+    def _sharded(self, role: str = "") -> dict[str, torch.Tensor]:
+        """What the engines of `role` load, by name, as this rank's shards (DTensors; no gather;
+        whole tensors on a group of one rank), tied tensors once: the policy's weights, or a LoRA
+        policy's merged ones (`Derived`)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        assert self.actor is not None, "setup() first"
-        return unique_tensors(get_model_state_dict(self.actor.model))
+        from weir.train.lora import is_lora
 
-    def layout(self, dtype: str | None = None) -> list[TensorMeta]:
-        """Names and full shapes of the weights an engine loads, floating tensors in `dtype` (the
-        engines' dtype; None keeps the trainer's)."""
-        return wire_metas(self._sharded(), getattr(torch, dtype) if dtype else None)
+        model = self.policy(role).model
+        if is_lora(model):
+            from weir.sync.lora_wire import merged_wire_state
+
+            return unique_tensors(merged_wire_state(model))
+        return unique_tensors(get_model_state_dict(model))
+
+    def layout(self, dtype: str | None = None, role: str = "") -> list[TensorMeta]:
+        """Names and full shapes of the weights `role`'s engines load, floating tensors in `dtype`
+        (the engines' dtype; None keeps the trainer's)."""
+        return wire_metas(self._sharded(role), getattr(torch, dtype) if dtype else None)
 
     def device_key(self) -> tuple[str, str]:
         return device_key(torch.device(self.device))
@@ -188,41 +228,60 @@ class SyncTrainerRank(TrainerRank):
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def join(self, host: str, port: int, size: int, name: str, backend: str) -> None:
-        self._group = BroadcastGroup(host, port, 0, size, backend=backend, name=name)
+    def join(
+        self,
+        host: str,
+        port: int,
+        size: int,
+        name: str,
+        backend: str,
+        style: str = "weir",
+        per_tensor: bool = False,
+        role: str = "",
+    ) -> None:
+        """Rank 0: become the root of a new weight-broadcast group (`BroadcastGroup`) of `size`
+        members, the engines of `role`'s policy; returns once every member joined."""
+        self.leave(role)
+        self._groups = self._groups or {}
+        self._groups[role] = BroadcastGroup(
+            host, port, 0, size, backend=backend, name=name, style=style, per_tensor=per_tensor
+        )
 
-    def leave(self) -> None:
-        """No broadcast group (every engine takes handles)."""
-        self._group = None
+    def leave(self, role: str = "") -> None:
+        """No broadcast group for `role`'s engines (every one takes handles)."""
+        old = (self._groups or {}).pop(role, None)
+        if old is not None:
+            old.close()
 
     def stream(
-        self, buckets: list[list[TensorMeta]], shared: list[Any], version: int
+        self, buckets: list[list[TensorMeta]], shared: list[Any], version: int, role: str = ""
     ) -> tuple[int, float]:
         """Collective over the trainer ranks: gather bucket after bucket from the shards; rank 0
         broadcasts each to its group and hands it to the engine actors in `shared` (same device)
         by memory handle. Returns (the bytes rank 0 delivered, the seconds the offload after it
         took). Offloads the parameters `train` left on the device for it, also on error.
 
-        The handles point into two staging buffers that the buckets take in turn (`_Staging`): an
+        The handles point into two staging buffers that the buckets take in turn (`Staging`): an
         engine opens each buffer once per sync, and rank 0 fills the next bucket while the
         engines copy the last one out of the other buffer."""
         root = self.rank == 0
         sent = 0
         error: Exception | None = None
         device = torch.device(self.device)
-        staging = _Staging(buckets, device) if root and shared else None
+        staging = Staging(buckets, device) if root and shared else None
         try:
-            for flat in gather_buckets(
-                self._sharded(),
+            flats = gather_buckets(
+                self._sharded(role),
                 buckets,
                 device,
                 root=root,
                 into=None if staging is None else staging.take,
-            ):
+            )
+            for bucket, flat in zip(buckets, flats, strict=True):
                 if flat is None or error is not None:
                     continue  # after a failed send rank 0 still takes part in the gathers
                 try:
-                    self._deliver(flat, shared, version, staging)
+                    self._deliver(flat, bucket, shared, version, role, staging)
                 except Exception as err:  # an engine died: the driver retries with the live ones
                     error = err
                 sent += flat.numel() * flat.element_size()
@@ -246,14 +305,17 @@ class SyncTrainerRank(TrainerRank):
     def _deliver(
         self,
         flat: torch.Tensor,
+        bucket: list[TensorMeta],
         shared: list[Any],
         version: int,
-        staging: _Staging | None = None,
+        role: str = "",
+        staging: Staging | None = None,
     ) -> None:
-        """One bucket to the broadcast group and, by its staging buffer's memory handle, to the
-        engines in `shared` (their copies are waited for before the buffer is reused)."""
-        if self._group is not None:
-            self._group.send_flat(flat)
+        """One bucket to `role`'s broadcast group and, by its staging buffer's memory handle, to
+        the engines in `shared` (their copies are waited for before the buffer is reused)."""
+        group = (self._groups or {}).get(role)
+        if group is not None:
+            group.send_flat(flat, bucket)
         if shared:
             assert staging is not None, "handles go through rank 0's staging buffers"
             if flat.is_cuda:  # the engines read it on their own streams: the writes land first
@@ -261,10 +323,15 @@ class SyncTrainerRank(TrainerRank):
             refs = [e.put_shared.remote(staging.handle, version, staging.index) for e in shared]
             staging.hand_over(refs)
 
-    def gather(self) -> list[TensorMeta]:
-        """Collective: rank 0 keeps the full weights (host memory) until `release` and returns their
-        layout; the other ranks return []. For the disk and object-store transports only."""
-        state = self.full_state()
+    def gather(self, role: str = "") -> list[TensorMeta]:
+        """Collective: rank 0 keeps the full weights of `role`'s engines (host memory) until
+        `release` and returns their layout; the other ranks return []. For the disk and
+        object-store transports only."""
+        device = torch.device(self.device)
+        try:
+            state = {k: full_tensor(v, device).to("cpu") for k, v in self._sharded(role).items()}
+        finally:
+            self.offload()
         if self.rank != 0:
             return []
         self._full = state
@@ -282,16 +349,76 @@ class SyncTrainerRank(TrainerRank):
         assert self._full is not None
         return str(DiskStore(root).write(self._full, version))
 
-    def weights_hash(self, dtype: str | None = None) -> str:
+    def weights_hash(self, dtype: str | None = None, role: str = "") -> str:
         """Collective: `weights_hash` of the full weights as the engines get them (tied tensors
-        under both names), gathered one tensor at a time."""
+        under both names; a LoRA policy's merged), gathered one tensor at a time."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        assert self.actor is not None, "setup() first"
-        state = get_model_state_dict(self.actor.model)
+        from weir.train.lora import is_lora
+
+        model = self.policy(role).model
+        if is_lora(model):
+            from weir.sync.lora_wire import merged_wire_state
+
+            state = merged_wire_state(model)
+        else:
+            state = get_model_state_dict(model)
         return sharded_hash(
             state, torch.device(self.device), getattr(torch, dtype) if dtype else None
         )
+
+    def wire_hash(self, dtype: str | None = None, role: str = "") -> str:
+        """Collective: `weights_hash` of what `role`'s engines load (the names that travel, each
+        once), gathered one tensor at a time: what `SyncEngineWorker.weights_hash(names)` of an
+        engine that holds them gives."""
+        return sharded_hash(
+            self._sharded(role), torch.device(self.device), getattr(torch, dtype) if dtype else None
+        )
+
+    def weights_digest(self, dtype: str | None = None, role: str = "") -> str:
+        """Collective: the digest of the weights as the engines get them (tied tensors once, as
+        they travel), gathered one tensor at a time (`weir.sync.shards.sharded_digest`)."""
+        return sharded_digest(
+            self._sharded(role), torch.device(self.device), getattr(torch, dtype) if dtype else None
+        )
+
+    def save_hf(self, out: str, bucket_mb: float, role: str = "") -> list[str]:
+        """Collective: as `TrainerRank.save_hf`; a LoRA policy's weights merged (W + s B A, what the
+        engines run), under the base model's names."""
+        from weir.train.lora import is_lora
+
+        model = self.policy(role).model
+        if not is_lora(model):
+            return self._on_device("save_hf", out, bucket_mb, role)
+        from weir.sync.lora_wire import merged_wire_state
+        from weir.train.meta_init import write_hf_weights
+
+        device = torch.device(self.device)
+        self.onload()
+        try:
+            return write_hf_weights(
+                None,
+                out,
+                write=self.rank == 0,
+                bucket_bytes=int(bucket_mb * 2**20),
+                tensors=unique_tensors(merged_wire_state(model)),
+                full=lambda t: full_tensor(t, device),
+            )
+        finally:
+            self.offload()
+
+    def write_adapter(self, out: str, role: str = "") -> int:
+        """Collective: `role`'s LoRA adapter gathered and written by rank 0 as a peft adapter
+        directory at `out` (weir.sync.lora_wire); returns its bytes."""
+        from weir.sync.lora_wire import write_adapter
+
+        self.onload()
+        try:
+            return write_adapter(
+                self.policy(role).model, out, torch.device(self.device), self.rank == 0
+            )
+        finally:
+            self.offload()
 
     def memory(self) -> dict[str, int]:
         """This process's resident memory now and at its peak since `reset_memory_peak` (bytes)."""
@@ -301,118 +428,16 @@ class SyncTrainerRank(TrainerRank):
         reset_peak_rss()
 
 
-class _Staging:
-    """Rank 0's two shareable buffers for one sync, each as large as the largest bucket; bucket
-    after bucket takes the one the engines are not reading (`take`), and is handed over by that
-    buffer's handle, made once (`handle` / `hand_over`). Freed when the sync ends."""
-
-    def __init__(self, buckets: list[list[TensorMeta]], device: torch.device) -> None:
-        largest = max((sum(m.nbytes for m in b) for b in buckets), default=1)
-        count = 2 if len(buckets) > 1 else 1
-        self.buffers = [alloc_shareable(largest, torch.uint8, device) for _ in range(count)]
-        self.handles = [share(b) for b in self.buffers]
-        self.pending: list[list[Any]] = [[] for _ in self.buffers]
-        self.current = -1
-        self.index = -1  # of the bucket in the current buffer
-        self.error: Exception | None = None
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The next buffer, as `numel` elements of `dtype`, once the engines copied what it held."""
-        self.current = (self.current + 1) % len(self.buffers)
-        self.index += 1
-        self._wait(self.current)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self.buffers[self.current][:nbytes].view(dtype)
-
-    @property
-    def handle(self) -> Handle:
-        return self.handles[self.current]
-
-    def hand_over(self, refs: list[Any]) -> None:
-        """The engines' calls reading the current buffer (each returns once it copied it)."""
-        self.pending[self.current] = refs
-
-    def _wait(self, k: int) -> None:
-        """Wait for the engines reading buffer `k`; a failure is kept in `error` (not raised:
-        rank 0 must still take part in every gather of the sync)."""
-        import ray
-
-        refs, self.pending[k] = self.pending[k], []
-        if refs and self.error is None:
-            try:
-                ray.get(refs, timeout=HANDLE_TIMEOUT_S)
-            except Exception as err:  # noqa: BLE001 - an engine died: the sync reports it
-                self.error = err
-
-    def drain(self) -> None:
-        for k in range(len(self.buffers)):
-            self._wait(k)
-
-
-class _Inbox:
-    """Buckets handed to an engine by memory handle, consumed by one weight update."""
-
-    def __init__(self) -> None:
-        self.items: queue.Queue[tuple[int | None, Handle, threading.Event]] = queue.Queue()
-        self.failed: BaseException | None = None
-        self._early: dict[int, tuple[Handle, threading.Event]] = {}
-
-    def release(self) -> None:
-        """Let every sender still waiting on a bucket that was never read return."""
-        while not self.items.empty():
-            self.items.get_nowait()[2].set()
-        for _, done in self._early.values():
-            done.set()
-
-    def _take(self, index: int) -> tuple[Handle, threading.Event]:
-        """Bucket `index`'s handle: buckets may come in out of order (rank 0 hands the next one
-        over before the engine has copied the last), so one that is early waits its turn."""
-        while index not in self._early:
-            try:
-                at, handle, done = self.items.get(timeout=HANDLE_TIMEOUT_S)
-            except queue.Empty:
-                raise TimeoutError(
-                    "no bucket from trainer rank 0 within the handle timeout"
-                ) from None
-            self._early[index if at is None else at] = (handle, done)
-        return self._early.pop(index)
-
-    def stream(
-        self, buckets: list[list[TensorMeta]], device: torch.device
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of every bucket, as views of the buffer its handle maps; a buffer that
-        comes again (rank 0's staging) is mapped once. The mappings go at the end."""
-        opened: dict[Handle, torch.Tensor] = {}
-        try:
-            for index, bucket in enumerate(buckets):
-                handle, done = self._take(index)
-                if handle not in opened:
-                    opened[handle] = open_handle(handle, device).view(torch.uint8)
-                dtype = bucket[0].torch_dtype
-                nbytes = sum(m.nbytes for m in bucket)
-                flat = opened[handle][:nbytes].view(dtype)
-                for m, part in zip(bucket, flat.split([m.numel for m in bucket]), strict=True):
-                    yield m.name, part.view(m.shape)
-                if flat.is_cuda:  # the copies must be done before rank 0 reuses the memory
-                    torch.cuda.current_stream(flat.device).synchronize()
-                del flat, part
-                if bucket is buckets[-1]:  # let go of the mappings before rank 0 frees them
-                    opened.clear()
-                done.set()
-        finally:
-            opened.clear()
-
-
 class SyncEngineWorker(EngineWorker):
     """An engine replica that receives weights by broadcast, memory handle, disk or object store."""
 
     _group: BroadcastGroup | None = None
-    _inboxes: dict[int, _Inbox] | None = None
+    _inboxes: dict[int, Inbox] | None = None
 
-    def _inbox(self, version: int) -> _Inbox:
+    def _inbox(self, version: int) -> Inbox:
         if self._inboxes is None:
             self._inboxes = {}
-        return self._inboxes.setdefault(version, _Inbox())
+        return self._inboxes.setdefault(version, Inbox())
 
     async def device_key(self) -> tuple[str, str]:
         return device_key(next(self.engine.model.parameters()).device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -25,17 +26,33 @@ from weir.sync.broadcast import TensorMeta
 from weir.sync.handles import alloc_shareable
 
 
+@dataclass(frozen=True)
+class Derived:
+    """A full tensor an engine gets that the trainer holds as other tensors, computed when its
+    bucket is gathered: e.g. a LoRA layer's merged weight W + s B A from the shards of W, A and B
+    (weir.train.sharded_lora). `compute(device)` is collective (every rank calls it) and returns
+    the full tensor in `dtype` on `device`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    compute: Callable[[torch.device], torch.Tensor]
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
 def unique_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` without the second name of a tied tensor (an engine of the same class has the same
     ties, so loading one name loads both). A model's state dict gives each name a tensor object of
     its own, so a tie is told by the memory the two hold (this rank's shard of a DTensor); a rank
-    whose shard is empty keeps both names, which costs nothing since only rank 0's names are sent."""
+    whose shard is empty keeps both names, which costs nothing since only rank 0's names are sent.
+    A `Derived` tensor (a LoRA layer's merged weight) holds no memory: it is told by its object."""
     seen: set[object] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        local = t.to_local() if isinstance(t, DTensor) else t
         key: object = id(t)
-        if local.numel():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, torch.Tensor) and local.numel():
             where = (local.untyped_storage().data_ptr(), local.storage_offset(), local.stride())
             key = (*where, t.shape, t.dtype)
         if key in seen:
@@ -56,14 +73,17 @@ def wire_metas(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> 
 
 
 def full_tensor(
-    t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+    t: torch.Tensor | Derived, device: torch.device, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Collective for a DTensor: the whole tensor on `device` (every rank gets it), in `dtype` when
-    given (a floating tensor is cast before the all-gather, so a bfloat16 sync moves half the
+    """Collective for a DTensor (and a `Derived` tensor): the whole tensor on `device` (every rank
+    gets it), in `dtype` when given (a floating tensor is cast before the all-gather, so a bfloat16
+    sync moves half the
     bytes of the float32 masters). A shard kept in host memory (FSDP2 CPU offload) is moved to
     `device` first, since NCCL gathers on the GPU. A plain tensor (a buffer FSDP2 does not shard)
     is the same on every rank: no collective."""
     cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    if isinstance(t, Derived):
+        return t.compute(device).to(cast)
     if not isinstance(t, DTensor):
         return t.detach().to(device, cast)
     local = t.to_local().detach()
@@ -134,3 +154,15 @@ def sharded_hash(
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def sharded_digest(
+    state: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype | None = None
+) -> str:
+    """Collective: `weir.sync.hashing.combine_digests` of the full tensors of `state` (floating
+    ones cast to `dtype`), gathered one tensor at a time: what an engine that loaded them reports."""
+    from weir.sync.hashing import combine_digests, tensor_digest
+
+    return combine_digests(
+        {name: tensor_digest(name, full_tensor(t, device, dtype)) for name, t in state.items()}
+    )

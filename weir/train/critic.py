@@ -185,7 +185,7 @@ class Critic:
             else None
         )
         self.device = p.device
-        self.layout: Layout = choose_layout(model.backbone, self.tcfg.packing)
+        self.layout: Layout = self._choose_layout(model)
         self.optimizer = make_optimizer(
             model.parameters(),
             lr=self.cfg.lr,
@@ -203,6 +203,23 @@ class Critic:
         self.steps = 0
         self.updates = 0
         self.skipped_updates = 0
+
+    # -- data-parallel hooks: one process does everything; weir.train.sharded_critic overrides them --
+
+    def _choose_layout(self, model: ValueModel) -> Layout:
+        return choose_layout(model.backbone, self.tcfg.packing)
+
+    def _idle_pass(self, backward: bool) -> None:
+        """A forward (and backward) that moves nothing, for a rank with fewer micro-batches."""
+
+    def _combine_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def _reduce(self, values: list[float]) -> list[float]:
+        return values
+
+    def _all_finite(self, finite: bool) -> bool:
+        return finite
 
     @property
     def actor_frozen(self) -> bool:
@@ -246,8 +263,12 @@ class Critic:
         seqs = batch.sequences
         with self._computing():
             for idx in self._micro_batches(list(range(len(seqs))), seqs):
+                if not idx:
+                    self._idle_pass(backward=False)
+                    continue
                 with span("values", cat="train", sequences=len(idx)):
                     out[idx] = self._forward(batch, idx, width)
+        out = self._combine_rows(out)
         m = mask.bool()
         bad = (~torch.isfinite(out) & m).any(1)
         values = torch.where(torch.isfinite(out), out, 0.0)
@@ -306,8 +327,12 @@ class Critic:
             return
         self.optimizer.zero_grad(set_to_none=True)
         width, loss_sum, finite = m.shape[1], 0.0, True
+        clipped = error = 0.0
         with grad_mode(self.model.backbone, self.tcfg.gradient_checkpointing), self._computing():
             for idx in self._micro_batches(mb, batch.sequences):
+                if not idx:
+                    self._idle_pass(backward=True)
+                    continue
                 with span("critic_forward", cat="train", sequences=len(idx)):
                     v = self._forward(batch, idx, width)
                 if not bool(torch.isfinite(v.detach())[m[idx]].all()):
@@ -326,12 +351,19 @@ class Critic:
                 )
                 out.loss.backward()
                 loss_sum += out.loss.item()
-                sums["clipped"] += out.clipfrac_sum
-                sums["error"] += out.error_sum
+                clipped += out.clipfrac_sum
+                error += out.error_sum
+        loss_sum, clipped, error = self._reduce([loss_sum, clipped, error])
+        sums["clipped"] += clipped
+        sums["error"] += error
+        finite = self._all_finite(finite)
         with span("critic_optimizer", cat="train"):
             clip = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
             params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, clip).item()
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients: a DTensor norm
+                norm = norm.full_tensor()
+            norm = norm.item()
             if finite and math.isfinite(norm):
                 self.optimizer.step()
                 sums["loss"] += loss_sum

@@ -9,7 +9,8 @@ sharded checkpoints with torch.distributed.checkpoint (weir.train.sharded_checkp
 
 A group of one rank (a colocated trainer on one GPU) trains the plain `Actor`, the very step of
 `cluster.type=local`, rather than FSDP2 over a world of one (`shards_model`): the same checkpoints
-(DCP reshards whole tensors into N ranks' shards and back), weight sync and offload.
+(DCP reshards whole tensors into N ranks' shards and back), weight sync and offload. (A LoRA
+policy and a critic are FSDP2-sharded on any group, one rank included: weir.train.rank_build.)
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from weir.config import Config
-from weir.config.sections import ClusterConfig, TrainConfig
+from weir.config.sections import ClusterConfig, LoraConfig, TrainConfig
 from weir.train.actor import Actor, ActorSettings
 from weir.train.batch import TrainBatch
-from weir.train.memory import peak_rss_since, reset_peak_rss
 from weir.train.precision import Precision, setup_device
-from weir.train.sharded_actor import ShardedActor, shard_model
 from weir.train.sharded_checkpoint import load_shards, save_shards
+
+if TYPE_CHECKING:
+    from weir.train.critic import CriticSettings
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class RankSettings:
     seed: int = 0
     deterministic: bool = False
     cudnn_attention: bool = False
+    lora: LoraConfig | None = None  # lora.enabled: adapters on every policy (weir.train.rank_build)
+    critic: CriticSettings | None = None  # algo.advantage=gae: a critic per policy
+    critic_path: str | None = None  # critic.model_path, resolved by the driver
+    roles: tuple[tuple[str, str], ...] = ()  # policies=separate: (role, its model directory)
 
     @property
     def train(self) -> TrainConfig:
@@ -93,6 +98,10 @@ class RankSettings:
 
     @classmethod
     def from_config(cls, cfg: Config) -> RankSettings:
+        """The settings of `cfg`; model paths of roles and critic (`roles`, `critic_path`) are
+        the driver's to resolve and add (`dataclasses.replace`)."""
+        from weir.train.critic import CriticSettings
+
         return cls(
             actor=ActorSettings.from_config(cfg),
             cluster=cfg.cluster,
@@ -100,6 +109,8 @@ class RankSettings:
             seed=cfg.run.seed,
             deterministic=cfg.run.deterministic,
             cudnn_attention=cfg.model.cudnn_attention,
+            lora=cfg.lora if cfg.lora.enabled else None,
+            critic=CriticSettings.from_config(cfg) if cfg.algo.advantage == "gae" else None,
         )
 
 
@@ -119,8 +130,21 @@ class TrainerRank:
         self.device = "cuda:0" if settings.cluster.trainer.gpus_per_rank > 0 else "cpu"
         torch.set_num_threads(settings.threads)
         self.sharded = shards_model(world, settings.train)
-        self.actor: Actor | None = None
+        self.policies: dict[str, Actor] = {}  # "" for the one policy, else by role
+        self.critics: dict[str, Any] = {}  # algo.advantage=gae: each policy's critic
         self.start: dict[str, float] = {}
+
+    @property
+    def actor(self) -> Actor | None:
+        """The policy of a run with one (the first role's with separate policies)."""
+        return next(iter(self.policies.values()), None)
+
+    def policy(self, role: str = "") -> Actor:
+        """The policy of `role` ("" with one policy)."""
+        try:
+            return self.policies[role]
+        except KeyError:
+            raise KeyError(f"trainer rank {self.rank} has no policy {role!r}") from None
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address (this node's IP and a free port)."""
@@ -129,8 +153,11 @@ class TrainerRank:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, host: str, port: int) -> int:
-        """Join the trainer group and build the actor (sharded unless the group is one rank:
-        `shards_model`); returns this rank."""
+        """Join the trainer group and build the policies (and critics); returns this rank. A
+        full-weight policy is sharded unless the group is one rank (`shards_model`); LoRA
+        policies and critics are always FSDP2-sharded (weir.train.rank_build)."""
+        from weir.train.rank_build import build_critic, build_policy
+
         on_gpu = self.device.startswith("cuda")
         backend = "nccl" if on_gpu else "gloo"
         precision = Precision.from_config(self.settings.train, device=self.device)
@@ -148,109 +175,13 @@ class TrainerRank:
         # NCCL builds its communicator at the first collective: here, not in the first step
         dist.barrier()
         torch.manual_seed(self.settings.seed)
-        self.actor = self._build(precision.param_dtype)
+        dtype = precision.param_dtype
+        paths = dict(self.settings.roles) or {"": self.model_path}
+        for role, path in paths.items():
+            self.policies[role] = build_policy(self, path, dtype)
+            if self.settings.critic is not None:
+                self.critics[role] = build_critic(self, path, dtype)
         return self.rank
-
-    def _actor(
-        self,
-        model: torch.nn.Module,
-        reference: torch.nn.Module | None = None,
-        teacher: torch.nn.Module | None = None,
-    ) -> Actor:
-        """The rank's actor on `model`: sharded, or the plain `Actor` (which copies its reference
-        and loads its teacher itself, as in one process)."""
-        if not self.sharded:
-            return Actor(model, self.settings.actor)
-        return ShardedActor(model, self.settings.actor, reference=reference, teacher=teacher)
-
-    def _build(self, dtype: torch.dtype) -> Actor:
-        """The actor, started on the meta device with only this rank's shard read from disk (one
-        rank: every weight, straight onto its device); a model whose loading converts weights is
-        loaded whole, as one process would.
-
-        `start["peak_rss_mb"]` is the peak resident-memory growth from the moment the (weightless)
-        model exists to the actor's being ready: what the weights cost this rank."""
-        from weir.train.meta_init import build_on_meta, disk_layout, layout_mismatch
-
-        layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
-        model = build_on_meta(self.model_path, dtype)  # imports the model's code, holds no weights
-        why = layout_mismatch(model, layout)
-        self.start["sharded"] = float(self.sharded)
-        baseline = reset_peak_rss()
-        try:
-            if why is None:
-                return self._from_shards(model, dtype, layout)
-            print(
-                f"weir: trainer rank {self.rank} loads the whole model ({why}); "
-                "the meta-device start reads only a rank's shard",
-                file=sys.stderr,
-            )
-            from weir.train.model import load_model
-
-            self.start["meta"] = 0.0
-            return self._actor(load_model(self.model_path, dtype, self.device)[0])
-        finally:
-            self.start["peak_rss_mb"] = peak_rss_since(baseline) / 2**20
-
-    def _from_shards(self, model: torch.nn.Module, dtype: torch.dtype, layout: dict) -> Actor:
-        from weir.train.meta_init import build_on_meta, load_local_shards, materialize
-
-        compute = Precision.from_config(self.settings.train, device=self.device).compute_dtype
-        offload = self.settings.train.offload_optimizer
-        where = "cpu" if offload else self.device  # FSDP2's CPU offload keeps shards on the host
-        read = 0
-
-        def start(meta: torch.nn.Module) -> torch.nn.Module:
-            nonlocal read
-            if self.sharded:
-                shard_model(
-                    meta, compute_dtype=compute, offload=offload, device=torch.device(self.device)
-                )
-            materialize(meta, where)
-            read += load_local_shards(meta, layout)
-            return meta
-
-        actor_model = start(model)
-        reference = teacher = None
-        if self.sharded:  # the frozen initial policy, sharded and read alike; a teacher too
-            if self.settings.actor.needs_reference:
-                reference = start(build_on_meta(self.model_path, dtype))
-                reference = reference.eval().requires_grad_(False)
-            teacher = self._teacher_shards(dtype, compute, offload, where)
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in actor_model.parameters()]
-        self.start.update(
-            meta=1.0, read_mb=read / 2**20, shard_mb=sum(t.nbytes for t in local) / 2**20
-        )
-        return self._actor(actor_model, reference, teacher)
-
-    def _teacher_shards(
-        self, dtype: torch.dtype, compute: torch.dtype, offload: bool, where: str
-    ) -> torch.nn.Module | None:
-        """A distillation teacher from a model directory, started on the meta device with only this
-        rank's shard read, as the policy and the reference are (None: no such teacher, or one whose
-        loading converts weights, which `ShardedActor` then loads whole and shards)."""
-        from weir.train.meta_init import (
-            build_on_meta,
-            disk_layout,
-            layout_mismatch,
-            load_local_shards,
-            materialize,
-        )
-        from weir.train.teacher import is_endpoint
-
-        path = self.settings.actor.teacher
-        if path is None or path == "reference" or is_endpoint(path) or not Path(path).is_dir():
-            return None
-        layout = disk_layout(path)
-        teacher = build_on_meta(path, dtype)
-        if layout_mismatch(teacher, layout) is not None:
-            return None
-        shard_model(
-            teacher, compute_dtype=compute, offload=offload, device=torch.device(self.device)
-        )
-        materialize(teacher, where)
-        load_local_shards(teacher, layout)
-        return teacher.eval().requires_grad_(False)
 
     def start_stats(self) -> dict[str, float]:
         """How this rank started: `sharded` (1: FSDP2, 0: the plain `Actor` of a group of one
@@ -260,8 +191,13 @@ class TrainerRank:
         return dict(self.start)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        assert self.actor is not None, "setup() first"
-        return self.actor.train(batch)
+        """One RL step: the policy (with its critic), or each role's on that role's rows."""
+        assert self.policies, "setup() first"
+        if self.settings.roles:
+            from weir.train.role_trainer import RoleTrainer
+
+            return RoleTrainer(self.policies, self.critics).train(batch)
+        return self.policy().train(batch, critic=self.critics.get(""))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU weights on rank 0, {} elsewhere; every rank must call it."""
@@ -327,22 +263,25 @@ class TrainerRank:
     def save(self, path: str) -> dict[str, dict[str, Any]]:
         """Sharded checkpoint of model, optimizer, schedule and counters: every rank writes its own
         shards and returns their manifest entries (weir.train.sharded_checkpoint)."""
-        assert self.actor is not None
-        return save_shards(self.actor, path, self.rank)
+        assert self.policies, "setup() first"
+        policies = self.policies if self.settings.roles else self.policy()
+        return save_shards(policies, path, self.rank, self.critics)
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (the same number of ranks or not: DCP reshards)."""
-        assert self.actor is not None
-        load_shards(self.actor, path)
+        assert self.policies, "setup() first"
+        policies = self.policies if self.settings.roles else self.policy()
+        load_shards(policies, path, self.critics)
 
-    def save_hf(self, out: str, bucket_mb: float) -> list[str]:
-        """Collective: the current weights as HF safetensors files in `out`, gathered one tensor at
-        a time and written by rank 0 in files of about `bucket_mb`; returns the files (rank 0)."""
+    def save_hf(self, out: str, bucket_mb: float, role: str = "") -> list[str]:
+        """Collective: the current weights of `role`'s policy as HF safetensors files in `out`,
+        gathered one tensor at a time and written by rank 0 in files of about `bucket_mb`; returns
+        the files (rank 0)."""
         from weir.train.meta_init import disk_layout, layout_mismatch, write_hf_weights
 
-        assert self.actor is not None
-        model = self.actor.model
-        layout = disk_layout(self.model_path) if Path(self.model_path).is_dir() else {}
+        model = self.policy(role).model
+        path = dict(self.settings.roles).get(role, self.model_path)
+        layout = disk_layout(path) if Path(path).is_dir() else {}
         if layout_mismatch(model, layout) is None:
             return write_hf_weights(
                 model, out, write=self.rank == 0, bucket_bytes=int(bucket_mb * 2**20)
@@ -353,7 +292,7 @@ class TrainerRank:
             return []
         from weir.train.meta_init import build_on_meta, materialize
 
-        whole = build_on_meta(self.model_path, next(iter(state.values())).dtype)
+        whole = build_on_meta(path, next(iter(state.values())).dtype)
         materialize(whole, "cpu")
         whole.load_state_dict(state)
         whole.save_pretrained(out, safe_serialization=True)
@@ -466,9 +405,10 @@ class TrainerGroup:
     def load(self, path: str) -> None:
         self.call("load", str(path))
 
-    def save_hf(self, out: str, bucket_mb: float = 512.0) -> list[str]:
-        """The current weights as HF safetensors files in `out` (no config, no tokenizer)."""
-        return self.call("save_hf", str(out), bucket_mb)[0]
+    def save_hf(self, out: str, bucket_mb: float = 512.0, role: str = "") -> list[str]:
+        """The current weights (of `role`'s policy) as HF safetensors files in `out` (no config,
+        no tokenizer)."""
+        return self.call("save_hf", str(out), bucket_mb, role)[0]
 
     def start_stats(self) -> list[dict[str, float]]:
         """Each rank's `TrainerRank.start_stats`, in rank order."""

@@ -23,7 +23,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from weir.train.model import ATTENTION
 
@@ -59,8 +65,10 @@ def build_on_meta(model_path: str, dtype: torch.dtype) -> PreTrainedModel:
     """The causal LM of `model_path` (a local HF directory) with its parameters on the meta device,
     configured as `weir.train.model.load_model` configures a loaded one."""
     config = AutoConfig.from_pretrained(model_path)
+    vision = getattr(config, "vision_config", None) is not None  # a vision-language model
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     model.config.use_cache = False
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn not in ATTENTION:
@@ -73,11 +81,23 @@ def build_on_meta(model_path: str, dtype: torch.dtype) -> PreTrainedModel:
 
 def driver_model(model_path: str, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     """Config, generation config and tokenizer without any weights: what the driver of a Ray run
-    needs (its ranks and engines load the weights themselves)."""
+    needs (its ranks and engines load the weights themselves). A vision-language model's tokenizer
+    comes with its processor attached (`weir.data.vision.processor_of`), as `load_model` gives it."""
+    model = build_on_meta(model_path, dtype)
+    if getattr(model.config, "vision_config", None) is not None:
+        from weir.data.vision import attach_processor
+        from weir.data.vision_processor import load_processor
+
+        processor = load_processor(model_path)
+        tokenizer = processor.tokenizer
+        attach_processor(tokenizer, processor)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return build_on_meta(model_path, dtype), tokenizer
+    return model, tokenizer
 
 
 def disk_layout(model_dir: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
@@ -172,11 +192,20 @@ def load_local_shards(model: nn.Module, layout: dict[str, tuple[Path, tuple[int,
 
 
 def write_hf_weights(
-    model: nn.Module, out_dir: str | Path, *, write: bool, bucket_bytes: int
+    model: nn.Module | None,
+    out_dir: str | Path,
+    *,
+    write: bool,
+    bucket_bytes: int,
+    tensors: dict[str, Any] | None = None,
+    full: Any = None,
 ) -> list[str]:
     """Collective over the ranks sharding `model`: gather one tensor at a time; the rank with
     `write` packs them into safetensors files of about `bucket_bytes` (with the HF index when there
     are several). Peak memory on the writer: its shard plus one bucket. Returns the files written.
+
+    `tensors` (name -> shard) replaces `model`'s own with `full(t)` gathering each (e.g. a LoRA
+    model's merged weights, weir.sync.lora_wire).
     """
     out = Path(out_dir)
     bucket: dict[str, torch.Tensor] = {}
@@ -193,15 +222,16 @@ def write_hf_weights(
 
     if write:
         out.mkdir(parents=True, exist_ok=True)
-    for name, t in saved_tensors(model).items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    items = tensors if tensors is not None else saved_tensors(model)
+    for name, t in items.items():
+        whole = full(t) if full is not None else t.full_tensor() if hasattr(t, "full_tensor") else t
         if write:
-            bucket[name] = full.detach().to("cpu").contiguous().clone()
+            bucket[name] = whole.detach().to("cpu").contiguous().clone()
             size += bucket[name].nbytes
             total += bucket[name].nbytes
             if size >= bucket_bytes:
                 flush()
-        del full
+        del whole
     if not write:
         return []
     flush()

@@ -109,15 +109,17 @@ def aggregate(per_role: dict[str, dict[str, float]], tokens: dict[str, float]) -
 
 class RoleTrainer:
     """The trainer of a run with separate policies: a dict of role -> `Actor` (each with its own
-    model, optimizer, schedule and reference) behind the one-trainer interface the loops use."""
+    model, optimizer, schedule and reference) behind the one-trainer interface the loops use;
+    with algo.advantage=gae, `critics` gives each role's policy its own critic."""
 
-    def __init__(self, actors: dict[str, Any]) -> None:
+    def __init__(self, actors: dict[str, Any], critics: dict[str, Any] | None = None) -> None:
         if not actors:
             raise ValueError("RoleTrainer needs at least one role's actor")
         bad = [r for r in actors if ROLE_SEP in r]
         if bad:
             raise ValueError(f"role names may not contain {ROLE_SEP!r}: {bad}")
         self.actors = dict(actors)
+        self.critics = dict(critics or {})
 
     @property
     def roles(self) -> list[str]:
@@ -127,7 +129,10 @@ class RoleTrainer:
         """One RL step: each role's actor trains on that role's rows only (roles with none are not
         stepped). Returns per-role metrics and their aggregate."""
         if critic is not None:
-            raise ValueError("multi_agent.policies=separate trains no critic (algo.advantage=gae)")
+            raise ValueError(
+                "multi_agent.policies=separate: each role's critic is the RoleTrainer's own "
+                "(critics=), not one passed to train"
+            )
         per_role: dict[str, dict[str, float]] = {}
         tokens: dict[str, float] = {}
         stats: dict[str, float] = {}
@@ -137,7 +142,7 @@ class RoleTrainer:
                 continue
             sub = select_rows(batch, rows)
             tokens[role] = float(sub.response_mask.sum().item())
-            per_role[role] = self.actors[role].train(sub)
+            per_role[role] = self.actors[role].train(sub, critic=self.critics.get(role))
             stats.update({role_key(k, role): v for k, v in per_role[role].items()})
         return {**aggregate(per_role, tokens), **stats}
 
@@ -148,8 +153,12 @@ class RoleTrainer:
                 yield f"{role}{ROLE_SEP}{name}", tensor
 
     def state_dict(self) -> dict[str, Any]:
-        """Each role's optimizer, schedule, KL coefficient and counters."""
-        return {"roles": {r: a.state_dict() for r, a in self.actors.items()}}
+        """Each role's optimizer, schedule, KL coefficient and counters (and its critic's whole
+        state: weights, optimizer, schedule, counters)."""
+        state: dict[str, Any] = {"roles": {r: a.state_dict() for r, a in self.actors.items()}}
+        if self.critics:
+            state["critics"] = {r: c.state_dict() for r, c in self.critics.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         roles = state.get("roles")
@@ -160,3 +169,10 @@ class RoleTrainer:
             )
         for r, s in roles.items():
             self.actors[r].load_state_dict(s)
+        for r, c in self.critics.items():
+            if r not in state.get("critics", {}):
+                raise ValueError(
+                    f"checkpoint holds no critic state for role {r!r} (written by a run without "
+                    "algo.advantage=gae?); set run.resume=never to start over"
+                )
+            c.load_state_dict(state["critics"][r])

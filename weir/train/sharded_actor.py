@@ -66,6 +66,7 @@ def shard_model(
     device must name it, or the offload is not set up).
     """
     master = next(model.parameters()).dtype
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: LoRA
     kwargs: dict[str, Any] = {}
     if compute_dtype is not None and compute_dtype != master:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -73,14 +74,21 @@ def shard_model(
         )
     on_gpu = (device or next(model.parameters()).device).type == "cuda"  # CPU: on the host already
     kwargs["offload_policy"] = CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
-    base = getattr(model, "model", None)
+    base = getattr(inner, "model", None)
+    if hasattr(inner, "backbone"):  # a critic's value model: its backbone's decoder layers
+        base = inner.backbone
+    visual = getattr(base, "visual", None)  # a vision-language model: its vision tower's blocks
+    if getattr(base, "language_model", None) is not None:  # and its language model's layers
+        base = base.language_model
     layers = getattr(base, "layers", None)
     for layer in layers or []:
         fully_shard(layer, **kwargs)
+    for block in getattr(visual, "blocks", None) or []:
+        fully_shard(block, **kwargs)
     ends = [
         m
         for m in (getattr(base, "embed_tokens", None), getattr(base, "norm", None))
-        + (getattr(model, "lm_head", None),)
+        + (getattr(inner, "lm_head", None), getattr(inner, "head", None))
         if isinstance(m, torch.nn.Module) and next(m.parameters(), None) is not None
     ]
     if layers and ends:
@@ -101,6 +109,7 @@ class ShardedActor(Actor):
     """
 
     offload_in_optimizer = False  # FSDP2's CPUOffloadPolicy keeps the optimizer state on the host
+    copies_reference = True  # the KL reference is a sharded copy of the initial model (LoRA: none)
     # Collectives stay in step: every rank runs the same number of micro-batches (`_micro_batches`
     # pads with idle ones), each of the same number of model forwards (the prefix layout's two:
     # prompts, then all responses in one pass; `_idle_pass` runs two as well). A fused step
@@ -125,7 +134,7 @@ class ShardedActor(Actor):
         nccl = dist.get_backend() == "nccl"
         self._comm = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         # the reference must be copied before `model` is sharded in place
-        if reference is None and settings.needs_reference:
+        if reference is None and settings.needs_reference and self.copies_reference:
             reference = copy.deepcopy(model)
         self._initial = reference
         self._teacher_model = teacher  # a distillation teacher read shard by shard (TrainerRank)

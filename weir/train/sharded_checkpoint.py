@@ -41,21 +41,65 @@ def actor_state(actor: Any) -> dict[str, Any]:
     }
 
 
-def save_shards(actor: Any, path: str | Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Collective: every rank writes its shards into `path` (fsynced); returns the manifest entries
-    of the files this rank wrote, keyed relative to `path`'s parent (the checkpoint directory)."""
+def critic_state(critic: Any) -> dict[str, Any]:
+    """What DCP saves of a `Critic` (sharded or not): its value model and optimizer (this rank's
+    shards), schedule and counters."""
+    model_sd, optim_sd = get_state_dict(critic.model, critic.optimizer)
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "scheduler": critic.scheduler.state_dict(),
+        "steps": int(critic.steps),
+        "updates": int(critic.updates),
+        "skipped_updates": int(critic.skipped_updates),
+    }
+
+
+def rank_state(policies: Any, critics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What DCP saves of a rank: its policy (`actor_state`, the keys of a run with one policy), or
+    ``roles: {role: ...}`` with separate policies; each with its critic under ``critic``."""
+    critics = critics or {}
+    if not isinstance(policies, dict):
+        policies = {"": policies}
+
+    def one(role: str) -> dict[str, Any]:
+        state = actor_state(policies[role])
+        if role in critics:
+            state["critic"] = critic_state(critics[role])
+        return state
+
+    if list(policies) == [""]:
+        return one("")
+    return {"roles": {role: one(role) for role in policies}}
+
+
+def save_shards(
+    actor: Any, path: str | Path, rank: int, critics: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Collective: every rank writes its shards (of `actor`, an `Actor` or {role: actor}, and of
+    its `critics`) into `path` (fsynced); returns the manifest entries of the files this rank
+    wrote, keyed relative to `path`'s parent (the checkpoint directory)."""
     path = Path(path)
-    dcp.save(actor_state(actor), checkpoint_id=str(path))
+    dcp.save(rank_state(actor, critics), checkpoint_id=str(path))
     return hash_files(sorted(path.glob(f"__{rank}_*.distcp")), path.parent)
 
 
-def load_shards(actor: Any, path: str | Path) -> None:
-    """Read what `save_shards` wrote into `actor` (each rank reads the slices it holds; without a
-    process group one process reads everything)."""
-    state = actor_state(actor)
+def load_shards(actor: Any, path: str | Path, critics: dict[str, Any] | None = None) -> None:
+    """Read what `save_shards` wrote into `actor` (and `critics`): each rank reads the slices it
+    holds; without a process group one process reads everything."""
+    state = rank_state(actor, critics)
     with warnings.catch_warnings():  # without a process group: one process reads everything
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(Path(path)))
+    policies = actor if isinstance(actor, dict) else {"": actor}
+    parts = state.get("roles", {"": state})
+    for role, a in policies.items():
+        _put_actor(a, parts[role])
+        if critics and role in critics:
+            _put_critic(critics[role], parts[role]["critic"])
+
+
+def _put_actor(actor: Any, state: dict[str, Any]) -> None:
     set_state_dict(
         actor.model,
         actor.optimizer,
@@ -65,6 +109,18 @@ def load_shards(actor: Any, path: str | Path) -> None:
     actor.scheduler.load_state_dict(state["scheduler"])
     actor.kl_ctl.value = state["kl_coef"]
     actor.updates, actor.skipped_updates = int(state["updates"]), int(state["skipped_updates"])
+
+
+def _put_critic(critic: Any, state: dict[str, Any]) -> None:
+    set_state_dict(
+        critic.model,
+        critic.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    critic.scheduler.load_state_dict(state["scheduler"])
+    critic.steps, critic.updates = int(state["steps"]), int(state["updates"])
+    critic.skipped_updates = int(state["skipped_updates"])
 
 
 def is_sharded(checkpoint: str | Path) -> bool:

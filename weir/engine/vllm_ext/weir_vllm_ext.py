@@ -2,15 +2,24 @@
 
 The server is started with ``--worker-extension-cls weir_vllm_ext.WeirWorkerExtension`` and this
 directory on ``PYTHONPATH``; the methods become callable on every worker through vLLM's
-``collective_rpc`` (the ``/collective_rpc`` endpoint of a server in dev mode). This module imports
-nothing from weir: the vLLM environment does not have weir's dependencies.
+``collective_rpc`` (the ``/collective_rpc`` endpoint of a server in dev mode; its answer lists one
+result per worker). This module imports nothing from weir: the vLLM environment does not have
+weir's dependencies.
 
 - ``weir_load_safetensors(path)``: load every ``*.safetensors`` file of a directory through vLLM's
   in-place ``reload_weights`` (HF names, as weir's trainer writes them). Runs on CPU and GPU.
-- ``weir_init_broadcast`` / ``weir_receive_broadcast``: NCCL weights straight from trainer rank 0,
-  following vLLM's documented RLHF example (StatelessProcessGroup + PyNcclCommunicator). GPU only;
-  NOT run in weir's tests (no GPU there).
-- ``weir_weights_hash()``: sha256 of the model's parameters, to check that an update went in.
+- ``weir_init_broadcast`` / ``weir_receive_broadcast``: weights straight from trainer rank 0 over a
+  torch.distributed group that the trainer's rank 0 and every worker of every server join (NCCL on
+  GPUs, gloo on CPUs: the same code). The group is built as weir's `weir.sync.broadcast
+  .BroadcastGroup` builds it (a TCPStore at rank 0, prefixed by the group's name, the backend's
+  process group on it), so this worker is one more member of it. Buckets arrive one at a time and
+  are loaded as they arrive (a generator feeding ``reload_weights``), so a worker holds its own
+  weights and one bucket, never the whole model.
+- ``weir_weights_hash()``: sha256 of the model's parameters, to check that an update went in;
+  ``weir_loaded_digest()``: the digest of the tensors the last update loaded (HF names), to compare
+  with the trainer's.
+- ``weir_memory()`` / ``weir_reset_memory_peak()``: this worker process's resident memory now and at
+  its peak, to measure what a sync costs it.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from pathlib import Path
 class WeirWorkerExtension:
     """Mixed into vLLM's worker class; ``self.model_runner.model`` is the served model."""
 
-    def weir_load_safetensors(self, path: str) -> int:
+    def weir_load_safetensors(self, path: str, digest: bool = False) -> int:
         from safetensors.torch import load_file
 
         files = sorted(Path(path).glob("*.safetensors"))
@@ -32,6 +41,11 @@ class WeirWorkerExtension:
         tensors: dict = {}
         for f in files:
             tensors.update(load_file(str(f)))
+        self._weir_digest = (
+            combine_digests({k: tensor_digest(k, v) for k, v in tensors.items()})
+            if digest
+            else None
+        )
         _tie_lm_head(self.model_runner.model_config.hf_config, tensors)
         # vLLM's in-place reload, not model.load_weights: after loading, vLLM repacks some weights
         # into kernel formats (on CPU the linear layers' original parameters are emptied), and
@@ -47,32 +61,142 @@ class WeirWorkerExtension:
             h.update(t.numpy().tobytes())
         return h.hexdigest()
 
-    def weir_init_broadcast(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the weight-broadcast group (rank 0: the trainer). GPU only, not run in weir's CI."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    def weir_worker_rank(self) -> int:
+        """This worker's rank among the server's workers (tensor-parallel rank)."""
         from vllm.distributed.parallel_state import get_world_group
-        from vllm.distributed.utils import StatelessProcessGroup
 
-        rank = get_world_group().rank + rank_offset
-        pg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
-        self._weir_group = PyNcclCommunicator(pg, device=self.device)
+        return get_world_group().rank
 
-    def weir_receive_broadcast(self, metas: list[tuple[str, str, list[int]]]) -> int:
-        """Receive tensors (name, dtype, shape) in order from rank 0 and load them. GPU only."""
+    def weir_init_broadcast(
+        self,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "nccl",
+        name: str = "weir-sync",
+        timeout_s: float = 600.0,
+    ) -> int:
+        """Join the weight-broadcast group (rank 0: the trainer's rank 0) as rank
+        ``rank_offset + this worker's rank``; returns that rank. Blocks until every member joined."""
+        import datetime
+
         import torch
+        import torch.distributed as dist
+
+        old = getattr(self, "_weir_group", None)
+        self._weir_group = None
+        del old
+        rank = self.weir_worker_rank() + rank_offset
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+        prefix = dist.PrefixStore(name, store)
+        if backend == "nccl":
+            pg = dist.ProcessGroupNCCL(prefix, rank, world_size)
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            device = torch.device("cpu")
+        self._weir_group = (store, pg, device)
+        return rank
+
+    def weir_receive_broadcast(self, buckets: list, digest: bool = False) -> dict:
+        """Receive `buckets` (lists of [name, dtype, shape], in the order rank 0 sends them) and load
+        each tensor as its bucket arrives. Returns the tensors loaded and, with `digest`, the
+        digest of what was loaded (`weir_loaded_digest`)."""
+        import torch
+        import torch.distributed as dist
 
         group = getattr(self, "_weir_group", None)
         if group is None:
             raise RuntimeError("weir_init_broadcast first")
-        received = {}
-        for name, dtype, shape in metas:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-            group.broadcast(t, src=0, stream=torch.cuda.current_stream())
-            received[name] = t
-        torch.cuda.synchronize()
-        _tie_lm_head(self.model_runner.model_config.hf_config, received)
-        self.reload_weights(weights_iterator=iter(received.items()), is_checkpoint_format=True)
-        return len(metas)
+        _, pg, device = group
+        tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
+        names = {m[0] for bucket in buckets for m in bucket}
+        digests: dict[str, str] = {}
+
+        def stream():
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            for bucket in buckets:
+                numel = [_numel(m[2]) for m in bucket]
+                flat = torch.empty(sum(numel), dtype=getattr(torch, bucket[0][1]), device=device)
+                pg.broadcast([flat], opts).wait()
+                if flat.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                # vLLM's reload holds a layer's tensors until the layer has all of them: the
+                # module the bucket ends in may go on in the next bucket, so its tensors are
+                # copied out, and the bucket's buffer is free once this bucket is loaded
+                tail = _parent(bucket[-1][0])
+                for (name, _, shape), part in zip(bucket, flat.split(numel), strict=True):
+                    t = part.view(shape)
+                    if _parent(name) == tail:
+                        t = t.clone()
+                    if digest:
+                        digests[name] = tensor_digest(name, t)
+                    yield name, t
+                    if (
+                        tied
+                        and name == "model.embed_tokens.weight"
+                        and "lm_head.weight" not in names
+                    ):
+                        yield "lm_head.weight", t  # see _tie_lm_head
+                del flat, part, t
+
+        self.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        self._weir_digest = combine_digests(digests) if digest else None
+        return {"tensors": len(names)}
+
+    def weir_loaded_digest(self) -> str | None:
+        return getattr(self, "_weir_digest", None)
+
+    def weir_memory(self) -> dict:
+        """Resident memory of this worker's process now and at its peak (bytes, from /proc)."""
+        return _proc_memory()
+
+    def weir_reset_memory_peak(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set size (VmHWM) to the current one
+
+
+def _parent(name: str) -> str:
+    """The module a weight belongs to, one level up (q_proj, k_proj, v_proj -> self_attn): the
+    tensors vLLM may fuse into one layer share it."""
+    return name.rsplit(".", 2)[0]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def tensor_digest(name: str, t) -> str:
+    """sha256 of one tensor's name, dtype, shape and bytes (weir.sync.hashing.tensor_digest)."""
+    c = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{name}|{c.dtype}|{tuple(c.shape)}|".encode())
+    if c.numel():
+        h.update(c.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def combine_digests(digests: dict) -> str:
+    """One digest of many tensors' digests, in name order (weir.sync.hashing.combine_digests)."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(f"{name}:{digests[name]};".encode())
+    return h.hexdigest()
+
+
+def _proc_memory() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
+    return out
 
 
 def _tie_lm_head(hf_config, tensors: dict) -> None:

@@ -1,0 +1,342 @@
+"""Weights from the trainer's FSDP2 shards into engine servers (vLLM, SGLang), bucket by bucket.
+
+The servers run in processes (and Python environments) of their own, wherever the cluster placed
+them (`weir.engine.server_host`) or attached by URL. A sync is one torch.distributed group spanning
+trainer rank 0 (the root) and every worker of every server (a server with tensor parallelism
+contributes each of its ranks): NCCL on GPUs, gloo on CPUs, built by the same code.
+
+1. every trainer rank takes part in gathering each bucket from the shards (`SyncTrainerRank.stream`,
+   each tensor cast to the engines' dtype before it travels); rank 0 broadcasts the bucket and
+   lets go of it before the next;
+2. each server receives through its own side of the protocol (`VllmBackend.receive_broadcast`:
+   weir's worker extension loads each bucket as it arrives; `SglangBackend.receive_broadcast`:
+   ``/update_weights_from_distributed`` per bucket), so a server worker holds its weights and one
+   bucket, never a second copy of the model;
+3. the engine pauses its requests before the first bucket and resumes them after the last, with
+   the version stamped in between (`ServerEngine.update_with_sync`): tokens before carry the old
+   version, tokens after the new one.
+
+``disk`` instead: rank 0 gathers the full weights and writes a versioned safetensors directory the
+servers read (servers outside the job's network, or without a common one for collectives).
+
+A server that died and was restarted is given the current version streamed from the shards as long
+as the trainer has not trained since the last push; otherwise it waits out of the routing and the
+next push includes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from weir.engine.server_recovery import WeightsNotReady
+from weir.sync.broadcast import TensorMeta, plan_buckets
+
+log = logging.getLogger(__name__)
+
+SERVER_TRANSPORTS = ("broadcast", "disk", "adapter")
+
+
+class ServerSync:
+    """Publishes the trainer's weights to a `ServerEngine`'s servers.
+
+    Args:
+        trainer: a `TrainerGroup` of `SyncTrainerRank` actors.
+        engine: the `ServerEngine` over the servers (its `restore` becomes this object's).
+        transport: ``broadcast`` (the group above), ``disk``, or ``adapter`` (lora.sync=adapter:
+            the LoRA adapter alone, written by rank 0 under `disk_dir`, loaded by each server's
+            LoRA endpoint).
+        bucket_mb: bucket size.
+        backend: ``gloo`` or ``nccl``.
+        dtype: the servers' weight dtype (e.g. "bfloat16"); floating tensors are cast to it on the
+            trainer's device before they travel.
+        disk_dir: the disk transport's directory (the servers must read it).
+        model_dir: the model's directory, whose config files the disk transport copies next to
+            the weights (SGLang's loader reads config.json there).
+        verify: the servers record a digest of each update's tensors (`digests`), to compare with
+            the trainer's (`SyncTrainerRank.weights_digest`); costs a hash of every tensor.
+        role: the policy these servers run (multi_agent.policies=separate), "" for the one.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        engine: Any,
+        transport: str = "broadcast",
+        *,
+        bucket_mb: float = 64.0,
+        backend: str = "gloo",
+        dtype: str | None = None,
+        disk_dir: str | Path | None = None,
+        model_dir: str | Path | None = None,
+        verify: bool = False,
+        role: str = "",
+    ) -> None:
+        self.role = role
+        if transport not in SERVER_TRANSPORTS:
+            raise ValueError(
+                f"cluster.weight_sync={transport} with engine.type={engine.backend.name}: servers "
+                f"take weights by {' or '.join(SERVER_TRANSPORTS)}"
+            )
+        if transport in ("disk", "adapter") and disk_dir is None:
+            raise ValueError(f"the {transport} transport needs a directory (cluster.sync_dir)")
+        self.trainer, self.engine, self.transport = trainer, engine, transport
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.backend, self.dtype, self.verify = backend, dtype, verify
+        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.version = engine.version
+        self._buckets: list[list[TensorMeta]] | None = None
+        self._members: tuple[str, ...] | None = None  # the servers (urls) in the current group
+        self._name = ""
+        self._generation = itertools.count()
+        self._pushed = False
+        self._trained_at_push = 0
+        self._lock = threading.Lock()
+        self._adapter: tuple[str, str] | None = None  # the adapter pushed last: (path, name)
+        engine.verify_loads = verify  # a worker digests what it loads from disk too
+        if transport != "disk":
+            engine.restore = self.restore
+
+    # -- pushes ------------------------------------------------------------------------------------
+
+    def push(self, version: int) -> dict[str, float]:
+        """Deliver the trainer's current weights to every server as `version`; returns timings."""
+        with self._lock:
+            start = time.perf_counter()
+            if self.transport == "disk":
+                nbytes = self._disk(version)
+            elif self.transport == "adapter":
+                nbytes = self._adapter_push(version)
+            else:
+                nbytes = self._stream(version)
+            self._pushed = True
+            self._trained_at_push = getattr(self.trainer, "trained", 0)
+            self.version = version
+            end = time.perf_counter()
+            checked = {"sync/verified": self.check(version)} if self.verify else {}
+        return {
+            **checked,
+            "time/sync": end - start,
+            "sync/mb": nbytes / 2**20,
+            "sync/mb_per_s": nbytes / 2**20 / max(end - start, 1e-9),
+            "cluster/engine_retries": float(self.engine.retries),
+            "cluster/engine_restarts": float(self.engine.restarts),
+        }
+
+    def _layout(self) -> list[list[TensorMeta]]:
+        if self._buckets is None:
+            metas = self.trainer.get([self.trainer.rank0.layout.remote(self.dtype, self.role)])[0]
+            self._buckets = plan_buckets(metas, self.bucket_bytes)
+        return self._buckets
+
+    def _stream(self, version: int) -> int:
+        sent = [0]
+
+        async def load(replicas: list[tuple[int, Any]]) -> None:
+            sent[0] = await self._deliver([r.url for _, r in replicas], version)
+
+        self.engine.update_with_sync(load, version)
+        return sent[0]
+
+    async def _deliver(self, urls: list[str], version: int) -> int:
+        """In the engine's loop: the group over `urls` (re-formed if they changed), every bucket
+        from the shards to them, prefix caches dropped. Returns the bytes rank 0 sent."""
+        if not urls:
+            return 0
+        await self._form_group(urls)
+        receiving = self._receive(urls)
+        try:
+            sent = await asyncio.to_thread(self._send, version)
+            await asyncio.gather(*receiving)
+        except BaseException:
+            self._abandon(receiving)
+            raise
+        await self._reset_caches(urls)
+        return sent
+
+    def _receive(self, urls: list[str]) -> list[asyncio.Future]:
+        """In the engine's loop: every server at `urls` starts receiving the buckets."""
+        backend, client, buckets = self.engine.backend, self.engine._client, self._layout()
+        return [
+            asyncio.ensure_future(
+                backend.receive_broadcast(client, url, buckets, self._name, self.verify)
+            )
+            for url in urls
+        ]
+
+    def _send(self, version: int) -> int:
+        """Collective over the trainer ranks (blocking): every bucket gathered and broadcast;
+        returns the bytes rank 0 sent (`SyncTrainerRank.stream` also times its offload)."""
+        buckets = self._layout()
+        sent = self.trainer.collective(
+            lambda r, rank: rank.stream.remote(buckets, [], version, self.role)
+        )
+        nbytes, _offload_s = sent[0]
+        return int(nbytes)
+
+    def _abandon(self, receiving: list[asyncio.Future]) -> None:
+        for task in receiving:
+            task.cancel()
+        self._members = None  # a broadcast that failed half way leaves the group unusable
+
+    async def _start_receiving(self, urls: list[str]) -> list[asyncio.Future]:
+        return self._receive(urls)
+
+    @staticmethod
+    async def _finish_receiving(receiving: list[asyncio.Future]) -> None:
+        await asyncio.gather(*receiving)
+
+    async def _cancel(self, receiving: list[asyncio.Future]) -> None:
+        self._abandon(receiving)
+
+    async def _reset_caches(self, urls: list[str]) -> None:
+        backend, client = self.engine.backend, self.engine._client
+        if not getattr(backend, "flushes_on_receive", False):
+            await asyncio.gather(*(backend.reset_cache(client, url) for url in urls))
+
+    async def _form_group(self, urls: list[str]) -> None:
+        """Trainer rank 0 and every worker of the servers at `urls` join a new group, unless the
+        current one is theirs already."""
+        if self._members == tuple(urls):
+            return
+        backend, client = self.engine.backend, self.engine._client
+        sizes = await asyncio.gather(*(backend.workers(client, url) for url in urls))
+        rank0 = self.trainer.rank0
+        host, port = (await asyncio.to_thread(self.trainer.get, [rank0.sync_address.remote()]))[0]
+        name = f"weir-sync-{self.role or 'policy'}-{next(self._generation)}"
+        world = 1 + sum(sizes)
+        offsets = list(itertools.accumulate([1, *sizes]))[:-1]
+        root = asyncio.to_thread(
+            self.trainer.get,
+            [
+                rank0.join.remote(
+                    host,
+                    port,
+                    world,
+                    name,
+                    self.backend,
+                    backend.group_style,
+                    backend.per_tensor,
+                    self.role,
+                )
+            ],
+        )
+        await asyncio.gather(
+            root,
+            *(
+                backend.init_broadcast(client, url, host, port, off, world, self.backend, name)
+                for url, off in zip(urls, offsets, strict=True)
+            ),
+        )
+        self._members, self._name = tuple(urls), name
+        log.info("weight sync: group %s of trainer rank 0 and %d server workers", name, world - 1)
+
+    def _disk(self, version: int) -> int:
+        """Rank 0 gathers the full weights and writes them where the servers read them."""
+        assert self.disk_dir is not None
+        metas = self.trainer.call("gather", self.role)[0]
+        try:
+            written = self.trainer.rank0.write.remote(str(self.disk_dir), version)
+            path = self.trainer.get([written])[0]
+        finally:
+            self.trainer.get([self.trainer.rank0.release.remote()])
+        if self.model_dir is not None:
+            for f in self.model_dir.glob("*.json"):
+                if not f.name.endswith(".index.json"):
+                    shutil.copy(f, Path(path) / f.name)
+        self.engine.update_weights_from_disk_sync(path, version)
+        return sum(m.nbytes for m in metas)
+
+    def _adapter_push(self, version: int) -> int:
+        """Rank 0 gathers the LoRA adapter and writes it; every server loads it by name."""
+        assert self.disk_dir is not None
+        path = self.disk_dir / f"adapter-v{version:06d}"
+        nbytes = self.trainer.call("write_adapter", str(path), self.role)[0]
+        name = f"weir-{self.role or 'policy'}-v{version}"
+        self.engine.update_adapter_sync(path, name, version)
+        self._adapter = (str(path), name)
+        return int(nbytes)
+
+    # -- a restarted server -------------------------------------------------------------------------
+
+    def restore(self, index: int) -> None:
+        """Give server `index` (restarted, serving again) the current version, streamed from the
+        shards; `WeightsNotReady` if the trainer has trained since the last push (the server waits
+        for the next one). Called by the engine, which holds its update lock meanwhile."""
+        if not self._pushed:
+            return  # it started from the model's own weights, which are still current
+        if self._adapter is not None:  # the base weights never change: load the last adapter
+            url = self.engine.replicas[index].url
+            path, name = self._adapter
+            self.engine.run(self.engine.backend.load_adapter(self.engine._client, url, path, name))
+            return
+        url = self.engine.replicas[index].url
+        with self.trainer._collective:  # no train call between the check and the stream
+            if getattr(self.trainer, "trained", 0) != self._trained_at_push:
+                raise WeightsNotReady(
+                    f"the trainer moved past version {self.version}; it rejoins at the next push"
+                )
+            # the group and the receiving in the engine's loop; the sending in this thread,
+            # which holds the trainer's (re-entrant) collective lock
+            self.engine.run(self._form_group([url]))
+            receiving = self.engine.run(self._start_receiving([url]))
+            try:
+                self._send(self.version)
+                self.engine.run(self._finish_receiving(receiving))
+            except BaseException:
+                self.engine.run(self._cancel(receiving))
+                raise
+            self.engine.run(self._reset_caches([url]))
+        self._members = None  # a group of that server alone: the next push forms one of all
+
+    # -- checks --------------------------------------------------------------------------------------
+
+    def check(self, version: int) -> float:
+        """1.0 when every live server worker loaded exactly the trainer's weights (the digest its
+        worker extension took of the tensors it loaded, against the same digest gathered from the
+        shards); raises otherwise. With the adapter transport: every live server lists this
+        version's adapter as loaded (its base weights are the model's files, never changed)."""
+        if self.transport == "adapter":
+            return self._check_adapter(version)
+        want = self.trainer.call("weights_digest", self.dtype, self.role)[0]
+        got = self.digests()
+        if not got or any(d != want for d in got):
+            raise RuntimeError(
+                f"weight sync: {sum(d != want for d in got)} of {len(got)} server workers hold "
+                f"other weights than the trainer after version {version} (cluster.verify_sync)"
+            )
+        return 1.0
+
+    def _check_adapter(self, version: int) -> float:
+        assert self._adapter is not None
+        backend, client, name = self.engine.backend, self.engine._client, self._adapter[1]
+
+        async def ask() -> list[list[str]]:
+            urls = [r.url for i, r in enumerate(self.engine.replicas) if self.engine.healthy[i]]
+            return list(await asyncio.gather(*(backend.adapters(client, url) for url in urls)))
+
+        listed = self.engine.run(ask())
+        if not listed or any(name not in names for names in listed):
+            raise RuntimeError(
+                f"weight sync: a server does not list adapter {name} of version {version} "
+                "(cluster.verify_sync)"
+            )
+        return 1.0
+
+    def digests(self) -> list[str | None]:
+        """Each live server worker's digest of the weights its last update loaded (`verify`)."""
+        backend, client = self.engine.backend, self.engine._client
+
+        async def ask() -> list:
+            urls = [r.url for i, r in enumerate(self.engine.replicas) if self.engine.healthy[i]]
+            each = await asyncio.gather(*(backend.loaded_digest(client, url) for url in urls))
+            return [d for server in each for d in server]
+
+        return self.engine.run(ask())
