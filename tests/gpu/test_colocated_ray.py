@@ -81,8 +81,14 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
             return [[c.token_ids for c in group] for group in asyncio.run(go())]
 
         # the first generation's first steps run the eager forwards of the engine's start-up
-        # checks (bf16 rounding apart from the graphs): compare two generations after those
+        # checks (bf16 rounding apart from the graphs): compare two generations after those.
+        # Sleeping drops the KV cache and with it the cached prompts, so the generation to compare
+        # with starts after a sleep too: both prefill the prompts afresh (a prompt read from the
+        # cache is computed by other kernels, and greedy decoding of a random-init model, whose
+        # logits are nearly tied, can follow another token on a bf16 rounding).
         generate()
+        with router.asleep():
+            pass
         before = generate()
         awake = ray.get(engine.memory.remote())
         with router.asleep():
