@@ -309,7 +309,7 @@ class _Rank0:
         for bucket in buckets:
             flat = torch.cat([self.state[m.name].reshape(-1) for m in bucket])
             sent += self.group.send_flat(flat, bucket)
-        return sent
+        return sent, 0.0  # as `SyncTrainerRank.stream`: (bytes sent, offload seconds)
 
 
 class _Trainer:

@@ -71,7 +71,7 @@ def test_an_async_run_with_the_engine_in_a_process(tmp_path):
     "overrides, names",
     [
         (["engine.type=vllm"], "a vllm server already runs in its own process"),
-        (["cluster.type=ray"], "every engine replica is a process of its own"),
+        (["cluster.type=ray"], r"every engine replica is a process \(a Ray actor\) of its own"),
     ],
 )
 def test_engine_process_is_refused_where_the_engine_is_a_process_already(overrides, names):

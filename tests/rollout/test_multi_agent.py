@@ -312,8 +312,6 @@ def test_per_role_metrics_and_team_evaluation():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["multi_agent.policies=separate", "lora.enabled=true"], "policies=separate does not run"),
-        (["multi_agent.policies=separate", "cluster.type=ray"], "cluster.type=ray"),
         (["multi_agent.turns=[a, z]"], "not in multi_agent.roles"),
         (["multi_agent.credit=role"], "needs per-role rewards"),
         (["rollout.function=weir.rollout.single_turn:rollout"], "ignores it"),
