@@ -80,5 +80,6 @@ def test_sft_on_demonstrations_makes_greedy_clicks_reach_held_out_goals(tmp_path
     sft(model.train(), examples, cfg, seed=0, packing="padded")
 
     # two buttons on four cells: a model that ignores the screen clicks the target 1 time in 4
-    # (1 in 2 if it only learned to click some button); measured 100% on seeds 0 and 1
+    # (1 in 2 if it only learned to click some button); the probe of the same recipe measured 100%
+    # (seed 0), and this test passes with seed 1 too
     assert _success(model, processor, held_out) >= 0.8
