@@ -239,14 +239,19 @@ def trl_worker(spec: dict) -> dict:
                 self.logs.append(dict(logs))
 
     batch = (spec.get("batch_prompts") or w["prompts"]) * N
+    # the real model's step in one micro-batch holds every layer's activations for 128 sequences
+    # (over 23 GB: the OOM killer stopped it on a 24 GB machine); weir splits a step into
+    # micro-batches by tokens, so TRL gets micro-batches too, with the same one update per step
+    # ("dapo" normalises by the generation batch's tokens, so the loss is the same)
+    micro = 16 if spec["workload"] in ("R", "S") and batch % 16 == 0 else batch
     args = GRPOConfig(
         output_dir=spec["run_dir"],
         use_cpu=True,
         bf16=False,
         seed=spec["seed"],
         max_steps=spec["steps"],
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
         num_generations=N,
         generation_batch_size=batch,
         max_completion_length=w["max_new_tokens"],
