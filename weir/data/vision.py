@@ -31,6 +31,7 @@ __all__ = [
     "VisionInputs",
     "attach_processor",
     "encode_vision_prompt",
+    "process_vision_text",
     "image_data_url",
     "load_image",
     "processor_of",
@@ -302,11 +303,21 @@ def encode_vision_prompt(
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, chat_template=template
     )
-    out = processor(text=[text], images=images or None, return_tensors="pt")
-    ids = [int(i) for i in out["input_ids"][0]]
+    ids, vision = process_vision_text(processor, text, images, refs)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise PromptTooLong(len(ids), max_prompt_tokens, row.get("_index"))
+    return ids, vision
+
+
+def process_vision_text(
+    processor: Any, text: str, images: list[Any], refs: list[str], **processor_kwargs: Any
+) -> tuple[list[int], VisionInputs | None]:
+    """Ids and pixel inputs of rendered `text` through the model's `processor`, which expands each
+    image placeholder to the image's tokens: ``(ids, None)`` without images, else the processor's
+    non-token outputs as `VisionInputs` (with the images' `refs`). `processor_kwargs` go to the
+    processor call (e.g. ``add_special_tokens=False`` for a continuation)."""
+    out = processor(text=[text], images=images or None, return_tensors="pt", **processor_kwargs)
+    ids = [int(i) for i in out["input_ids"][0]]
     if not images:
         return ids, None
-    tensors = {k: v for k, v in out.items() if k not in _TOKEN_KEYS}
-    return ids, VisionInputs(tensors, refs)
+    return ids, VisionInputs({k: v for k, v in out.items() if k not in _TOKEN_KEYS}, refs)

@@ -43,7 +43,7 @@ from typing import Any
 
 from weir.data.prompts import PromptTooLong
 from weir.data.sample import Sample, Status
-from weir.data.vision import VisionInputs, processor_of, vision_messages
+from weir.data.vision import VisionInputs, process_vision_text, processor_of, vision_messages
 from weir.data.vision_spans import concat_vision, image_spans, select_images
 from weir.rollout.observation import Observation, as_observation
 
@@ -242,14 +242,7 @@ class EpisodeImages:
     def _process(
         self, text: str, images: list[Any], refs: list[str]
     ) -> tuple[list[int], VisionInputs | None]:
-        out = self.processor(
-            text=[text], images=images or None, return_tensors="pt", add_special_tokens=False
-        )
-        ids = [int(i) for i in out["input_ids"][0]]
-        if not images:
-            return ids, None
-        keep = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
-        return ids, VisionInputs({k: v for k, v in out.items() if k not in keep}, refs)
+        return process_vision_text(self.processor, text, images, refs, add_special_tokens=False)
 
     def _register(self, ids: list[int], at: int, vision: VisionInputs | None) -> None:
         self.images += self._images_in(ids, at, vision, None)

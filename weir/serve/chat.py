@@ -67,6 +67,9 @@ class Prompt:
 class ChatFormatter:
     """Renders chat requests for one tokenizer; `stop_ids` are the ids that end an assistant turn."""
 
+    message_key = staticmethod(_key)
+    """What must match for a message of the history to count as the same turn."""
+
     def __init__(self, tokenizer: Any, stop_ids: Sequence[int], tool_format: str = "hermes"):
         self.tokenizer = tokenizer
         self.stop_ids = [int(i) for i in stop_ids]
@@ -109,7 +112,7 @@ class ChatFormatter:
         if len(messages) <= len(history):
             return "no new messages after the previous assistant turn"
         for i, (old, new) in enumerate(zip(history, messages, strict=False)):
-            if _key(old) != _key(new):
+            if self.message_key(old) != self.message_key(new):
                 return f"message {i} differs from the recorded history"
         return None
 

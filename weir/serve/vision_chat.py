@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from weir.data.prompts import BadRow
-from weir.data.vision import VisionInputs, vision_messages
+from weir.data.vision import VisionInputs, process_vision_text, vision_messages
 from weir.data.vision_spans import concat_vision
 from weir.serve.chat import ChatFormatter, Prompt
 from weir.serve.protocol import ChatMessage
@@ -66,6 +66,8 @@ def _key(m: dict[str, Any]) -> str:
 class VisionChatFormatter(ChatFormatter):
     """`ChatFormatter` for a vision-language model: `prompt` also returns the pixels."""
 
+    message_key = staticmethod(_key)
+
     def __init__(self, processor: Any, stop_ids: list[int], tool_format: str, allow_remote: bool):
         super().__init__(processor.tokenizer, stop_ids, tool_format)
         self.processor = processor
@@ -79,7 +81,7 @@ class VisionChatFormatter(ChatFormatter):
         reduced, images, refs = self._reduce(chat)
         text = self.render(reduced, tools, generation=True)
         if last is not None:
-            why = self._differs(chat, tools, last)
+            why = self._mismatch(chat, tools, last)
             if why is None:
                 n = len(last.messages or [])
                 history = reduced[:n]
@@ -107,30 +109,10 @@ class VisionChatFormatter(ChatFormatter):
         except BadRow as err:
             raise BadRow(str(err).removeprefix("row, ")) from None
 
-    def _differs(self, chat: list[dict], tools: list[dict] | None, last: Turn) -> str | None:
-        history = last.messages
-        if history is None:
-            return "the previous call was not a chat call"
-        if last.output.get("tools") != tools:
-            return "the tools changed"
-        if len(chat) <= len(history):
-            return "no new messages after the previous assistant turn"
-        for i, (old, new) in enumerate(zip(history, chat, strict=False)):
-            if _key(old) != _key(new):
-                return f"message {i} differs from the recorded history"
-        return None
-
     def _process(
         self, text: str, images: list[Any], refs: list[str]
     ) -> tuple[list[int], VisionInputs | None]:
-        out = self.processor(
-            text=[text], images=images or None, return_tensors="pt", add_special_tokens=False
-        )
-        ids = [int(i) for i in out["input_ids"][0]]
-        if not images:
-            return ids, None
-        token_keys = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
-        return ids, VisionInputs({k: v for k, v in out.items() if k not in token_keys}, refs)
+        return process_vision_text(self.processor, text, images, refs, add_special_tokens=False)
 
 
 def _images(message: dict[str, Any]) -> int:
