@@ -259,7 +259,15 @@ def run_side(side: str, spec: dict, python: str, timeout: float) -> dict:
     if spec.get("cores"):  # --threads: the process and its children on that many cores
         cores = ",".join(str(c) for c in range(spec["cores"]))
         cmd = ["taskset", "-c", cores, *cmd]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        progress = Path(spec["run_dir"]) / "progress.jsonl"
+        done = progress.read_text().count("\n") if progress.exists() else 0
+        return {
+            "error": f"{side} ran past --timeout {timeout:.0f} s after {done} of {spec['steps']} "
+            f"steps (seconds per step so far: {progress})"
+        }
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stderr or proc.stdout)[-3000:]
         return {"error": f"{side} exited {proc.returncode}:\n{tail}"}
@@ -341,7 +349,13 @@ def main() -> None:
     ap.add_argument("--sft-epochs", type=int, default=3)
     ap.add_argument("--calc-sft-rows", type=int, default=5000, help="C: SFT problems")
     ap.add_argument("--calc-sft-epochs", type=int, default=4, help="C: SFT epochs")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per run (default 1800; 5400 for R and S, whose TRL side takes 3-4 min a "
+        "step on two cores)",
+    )
     ap.add_argument("--worker", choices=["weir", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -411,7 +425,8 @@ def main() -> None:
                 }
                 python = args.trl_python if trl else sys.executable
                 t0 = time.perf_counter()
-                res = run_side("trl" if trl else "weir", spec, python, args.timeout)
+                timeout = args.timeout or (5400.0 if WORKLOADS[wl].get("real") else 1800.0)
+                res = run_side("trl" if trl else "weir", spec, python, timeout)
                 res["wall_s"] = time.perf_counter() - t0
                 res["load"] = os.getloadavg()[0]
                 results.setdefault((wl, side), []).append(res)

@@ -233,6 +233,8 @@ def trl_worker(spec: dict) -> dict:
             now = time.perf_counter()
             self.step_s.append(now - self.t)
             self.t = now
+            with progress.open("a") as f:  # read by the driver if the run times out
+                f.write(json.dumps({"step_s": self.step_s[-1]}) + "\n")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
@@ -284,6 +286,8 @@ def trl_worker(spec: dict) -> dict:
         dataloader_num_workers=0,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    progress = Path(spec["run_dir"]) / "progress.jsonl"
+    progress.unlink(missing_ok=True)
     clock = Clock()
     trainer = GRPOTrainer(
         model=model,
