@@ -54,7 +54,7 @@ class ScriptedEngine:
 def config(env: str, overrides: tuple[str, ...] = (), **env_args):
     """A run config whose verifiers section names `env` (a factory of weir.tasks.verifiers_envs
     or a dotted path) with `env_args`."""
-    path = env if ":" in env else f"{ENVS}:{env}"
+    path = f"{ENVS}:{env}" if env in ("arithmetic", "calculator", "higher_lower") else env
     return load_config(
         None,
         [
@@ -74,7 +74,7 @@ def play(engine, cfg, rows: list[dict], n: int = 1, env_timeout_s: float = 5.0):
         sampling=SamplingParams(n=n, max_new_tokens=64, seed=0),
         reward_fn=None,
         encode=None,
-        reward_timeout_s=2.0,
+        reward_timeout_s=1.0,
         extras={
             "verifiers": cfg.verifiers,
             "agent": AgentConfig(max_tokens=256, env_timeout_s=env_timeout_s),
@@ -107,6 +107,18 @@ def test_rows_are_the_environments_dataset_with_its_prompts_and_a_held_out_split
     train, test = adapter_rows(cfg, "train"), adapter_rows(cfg, "test")
     assert [r["answer"] for r in train] == [str(i) for i in range(25)]
     assert [r["answer"] for r in test] == [str(i) for i in range(25, 30)]
+
+
+def test_an_installed_environment_loads_by_its_id(tmp_path, monkeypatch):
+    """An id names an environment package (verifiers' load_environment: `vf-x` imports `vf_x`)."""
+    module = "from weir.tasks.verifiers_envs import higher_lower as load_environment\n"
+    (tmp_path / "weir_vf_game.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config("weir-vf-game", ("data.eval_size=3",), train_size=10, eval_size=3, seed=5)
+    rows = adapter_rows(cfg, "test")
+    assert [r["answer"] for r in rows] == load(
+        config("higher_lower", seed=5).verifiers
+    ).get_eval_dataset(n=3)["answer"]
 
 
 def dataset_only():
