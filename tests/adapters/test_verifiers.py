@@ -184,11 +184,16 @@ def shared_credit(completions, answers, parser) -> list[float]:
     return [r / max(sum(right), 1.0) for r in right]
 
 
+async def says_four(completion) -> float:
+    """An async reward function (weight 0: a metric)."""
+    await asyncio.sleep(0)
+    return float(completion[-1]["content"].strip() == "4")
+
+
 def group_env():
     rows = [{"question": "say 4", "answer": "4"}] * 4
-    return vf.SingleTurnEnv(
-        dataset=datasets.Dataset.from_list(rows), rubric=vf.Rubric(funcs=[shared_credit])
-    )
+    rubric = vf.Rubric(funcs=[shared_credit, says_four], weights=[1.0, 0.0])
+    return vf.SingleTurnEnv(dataset=datasets.Dataset.from_list(rows), rubric=rubric)
 
 
 def test_the_rubric_scores_the_episodes_of_a_row_together():
@@ -198,6 +203,7 @@ def test_the_rubric_scores_the_episodes_of_a_row_together():
     texts = [s.response_text.strip() for s in group.samples]
     assert sorted(texts) == ["3", "4", "4", "5"]
     assert [s.reward for s in group.samples] == [0.5 if t == "4" else 0.0 for t in texts]
+    assert [s.reward_info["says_four"] for s in group.samples] == [float(t == "4") for t in texts]
 
 
 class Faulty(vf.MultiTurnEnv):
