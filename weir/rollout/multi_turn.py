@@ -97,11 +97,7 @@ def encode_messages(
         full = tokenizer.apply_chat_template(
             chat + [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
         )
-        start = full.index(_MARK_A) + len(_MARK_A)
-        eos = tokenizer.eos_token or ""
-        if eos and full.startswith(eos, start):
-            start += len(eos)
-        text = full[start:]
+        text = full[_after_assistant(tokenizer, full) :]
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
@@ -119,12 +115,16 @@ def observation_codec(tokenizer: Any, role: str = "tool") -> ObservationCodec:
         {"role": role, "content": _MARK_T},
     ]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    start = text.index(_MARK_A) + len(_MARK_A)
-    eos = tokenizer.eos_token or ""
-    if eos and text.startswith(eos, start):
-        start += len(eos)
+    start = _after_assistant(tokenizer, text)
     mid = text.index(_MARK_T)
     return ObservationCodec(tokenizer, text[start:mid], text[mid + len(_MARK_T) :])
+
+
+def _after_assistant(tokenizer: Any, text: str) -> int:
+    """Where `text` (a rendered chat) goes on after the marker assistant turn and its EOS."""
+    start = text.index(_MARK_A) + len(_MARK_A)
+    eos = tokenizer.eos_token or ""
+    return start + len(eos) if eos and text.startswith(eos, start) else start
 
 
 def make_env(agent: Any) -> Any:
