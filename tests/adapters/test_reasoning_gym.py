@@ -79,27 +79,19 @@ def test_corrupted_sft_targets_are_near_misses_of_the_seeded_fraction():
 
 
 @pytest.mark.slow
-def test_sft_then_rl_on_reasoning_gym_runs_with_its_reward(tmp_path):
-    """The whole path, CI-sized: SFT on the task's answers, then 3 GRPO steps scored by the task's
-    verifier, with held-out evaluation. (How far the held-out score rises: docs/ecosystem.md.)"""
-    sft = weir.sft(
-        CONFIG, [f"run.dir={tmp_path / 'sft'}", "sft.rows=600", "sft.epochs=2", "data.eval_size=20"]
-    )
-    result = weir.run(
-        CONFIG,
-        [
-            f"run.dir={tmp_path / 'rl'}",
-            f"model.path={sft}",
-            "run.steps=3",
-            "run.eval_every=3",
-            "rollout.batch_prompts=8",
-            "data.eval_size=20",
-        ],
-    )
+def test_grpo_raises_the_held_out_score_of_a_reasoning_gym_task(tmp_path):
+    """The example as it is: SFT on 70%-corrupted answers, then 40 GRPO steps scored by the
+    task's own verifier. Over seeds 0-4, and seed 0 on 2 threads (docs/ecosystem.md#reasoning-gym),
+    the held-out score (20 questions never trained on, 16 samples each at temperature 1) rose by
+    +0.21 to +0.32 and the sampled reward (last 5 steps against the first 5) by +0.14 to +0.23; the
+    bounds are about half the smallest rise, as another CPU's rounding draws another trajectory."""
+    sft = weir.sft(CONFIG, [f"run.dir={tmp_path / 'sft'}"])
+    result = weir.run(CONFIG, [f"run.dir={tmp_path / 'rl'}", f"model.path={sft}"])
     steps = [h for h in result.history if "reward/mean" in h]
-    assert len(steps) == 3 and all(h["rollout/failed"] == 0 for h in steps)
-    assert all(
-        h["reward/answer_found_mean"] == 1.0 for h in steps if "reward/answer_found_mean" in h
-    )
-    assert 0.0 < sum(h["reward/mean"] for h in steps) / 3 < 1.0  # the warm start is right sometimes
-    assert [e["step"] for e in result.evals] == [0, 3] and result.evals[0]["eval/prompts"] == 20
+    assert len(steps) == 40 and all(h["rollout/failed"] == 0 for h in steps)
+    rewards = [h["reward/mean"] for h in steps]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.07, rewards
+    assert [e["step"] for e in result.evals] == [0, 20, 40]
+    assert all(e["eval/prompts"] == 20 for e in result.evals)
+    before, after = result.evals[0]["eval/accuracy"], result.evals[-1]["eval/accuracy"]
+    assert after > before + 0.1, (before, after)

@@ -6,10 +6,12 @@
 | `gymnasium` | gymnasium (`gymnasium`) | the env of multi-turn episodes, `agent.env: gymnasium` |
 | `openenv` | openenv-core (`openenv`) | the env, in process or over its HTTP server, `agent.env: openenv` |
 | `textarena` | textarena (`textarena`) | a multi-agent episode, one role per player |
+| `verifiers` | verifiers (`verifiers`) | the prompts, the rollout and the reward (`weir.adapters.verifiers`) |
 
-The loop asks this module for the rows (`adapter_rows`), the default reward (`adapter_reward`),
-the SFT rows (`adapter_sft_rows`) and what the rollout functions read (`adapter_extras`); each
-library is imported only when its section is used. See docs/ecosystem.md.
+The loop asks this module for the rows (`adapter_rows`), the default reward (`adapter_reward`;
+`adapter_scores`: the adapter's rollout scores its samples itself), the SFT rows
+(`adapter_sft_rows`) and what the rollout functions read (`adapter_extras`); each library is
+imported only when its section is used. See docs/ecosystem.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "adapter_rows",
     "adapter_reward",
     "adapter_reward_kwargs",
+    "adapter_scores",
     "adapter_sft_rows",
     "adapter_extras",
 ]
@@ -41,6 +44,10 @@ def adapter_rows(cfg: Any, split: str) -> list[dict[str, Any]] | None:
         from weir.adapters import reasoning_gym
 
         return reasoning_gym.rows(cfg.reasoning_gym, split, n, cfg.run.seed, cfg.data.eval_size)
+    if cfg.verifiers.env is not None:
+        from weir.adapters import verifiers
+
+        return verifiers.rows(cfg.verifiers, split, n, cfg.data.eval_size)
     if cfg.textarena.env_id is not None:
         return _seed_rows(cfg.textarena.env_id, n, seed)
     if cfg.agent.env == "gymnasium" and cfg.gymnasium.id is not None:
@@ -55,6 +62,12 @@ def adapter_reward(cfg: Any) -> str | None:
     if cfg.reasoning_gym.dataset is not None:
         return "weir.adapters.reasoning_gym:score"
     return None
+
+
+def adapter_scores(cfg: Any) -> bool:
+    """Whether an adapter's rollout scores its own samples (a verifiers environment's rubric),
+    so the run needs no reward function."""
+    return cfg.verifiers.env is not None
 
 
 def adapter_reward_kwargs(cfg: Any) -> dict[str, Any]:
@@ -81,7 +94,8 @@ def adapter_sft_rows(cfg: Any) -> list[dict[str, Any]] | None:
 
 
 def adapter_extras(cfg: Any) -> dict[str, Any]:
-    """What the adapters' rollout functions read from ``ctx.extras``: their sections, and, for
+    """What the adapters' rollout functions read from ``ctx.extras``: their sections (verifiers:
+    its environment loaded and checked against the run's settings), and, for
     `agent.env: gymnasium | openenv`, the factory of one episode's environment (checked now, so a
     bad section stops the run at its start with one line)."""
     extras: dict[str, Any] = {}
@@ -97,4 +111,8 @@ def adapter_extras(cfg: Any) -> dict[str, Any]:
         from weir.adapters import textarena
 
         extras["textarena"] = textarena.check(cfg.textarena, cfg.multi_agent)
+    if cfg.verifiers.env is not None:
+        from weir.adapters import verifiers
+
+        extras["verifiers"] = verifiers.check_run(cfg)
     return extras

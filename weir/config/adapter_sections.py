@@ -1,6 +1,6 @@
 """Config sections of the ecosystem adapters (`weir.adapters`): tasks and environments from
-reasoning-gym, OpenEnv, textarena and gymnasium, each behind its own section and optional extra
-(``pip install 'weir[reasoning-gym]'`` ...); see docs/ecosystem.md.
+reasoning-gym, OpenEnv, textarena, gymnasium and verifiers, each behind its own section and
+optional extra (``pip install 'weir[reasoning-gym]'`` ...); see docs/ecosystem.md.
 """
 
 from __future__ import annotations
@@ -96,3 +96,15 @@ class TextArenaConfig(Section):
     is new since its last turn (`last`, shorter; its first turn shows everything so far)."""
     draw_reward: float | None = None
     """Reward of each player in a game cut at max_turns; null: textarena's own (0 for a draw)."""
+
+
+class VerifiersConfig(Section):
+    """A `verifiers` environment as the rollout and reward (`rollout.function:
+    weir.adapters.verifiers:rollout`): its dataset the prompts, its turns played by weir's engine,
+    its rubric the reward; see docs/ecosystem.md#verifiers."""
+
+    env: str | None = None
+    """A dotted path `pkg.mod:fn` to a function returning a `vf.Environment`, or the id of a
+    verifiers environment installed as a package (`vf.load_environment`), e.g. `vf-gsm8k`."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for that function (or the package's `load_environment`)."""

@@ -15,6 +15,7 @@ from weir.config.adapter_sections import (  # noqa: F401
     OpenEnvConfig,
     ReasoningGymConfig,
     TextArenaConfig,
+    VerifiersConfig,
 )
 from weir.config.episode_sections import (  # noqa: F401
     AgentConfig,
@@ -79,6 +80,7 @@ class Config(Section):
     gymnasium: GymnasiumConfig = Field(default_factory=GymnasiumConfig)
     openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig)
     textarena: TextArenaConfig = Field(default_factory=TextArenaConfig)
+    verifiers: VerifiersConfig = Field(default_factory=VerifiersConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -174,6 +176,7 @@ class Config(Section):
         return bool(
             self.reasoning_gym.dataset
             or self.textarena.env_id
+            or self.verifiers.env
             or (env == "gymnasium" and self.gymnasium.id)
             or (env == "openenv" and self.openenv.env)
         )

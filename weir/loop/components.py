@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from weir.adapters import adapter_extras, adapter_reward, adapter_reward_kwargs, adapter_rows
+from weir.adapters import (
+    adapter_extras,
+    adapter_reward,
+    adapter_reward_kwargs,
+    adapter_rows,
+    adapter_scores,
+)
 from weir.config import Config
 from weir.config.devices import resolve_device
 from weir.data.prompts import DataError, PromptTooLong, encode_prompt
@@ -215,9 +221,11 @@ def reward_function(cfg: Config, reward: Callable | None = None) -> Callable:
         reward
         or cfg.reward.function
         or adapter_reward(cfg)
-        or (get_task(cfg.data.task).reward if cfg.data.task else None)
+        or (get_task(cfg.data.task).reward if cfg.data.task and not adapter_scores(cfg) else None)
     )
-    if spec is None and (cfg.agent.reward == "env" or cfg.multi_agent.scorer is not None):
+    if spec is None and (
+        cfg.agent.reward == "env" or cfg.multi_agent.scorer is not None or adapter_scores(cfg)
+    ):
         return _no_task_reward
     if spec is None:
         raise ValueError(

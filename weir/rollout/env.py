@@ -8,7 +8,8 @@ An environment is any object with two methods, each sync or async (gym-like, tex
 - ``step(action_text) -> (observation, reward, done, info)``: the model's turn as text (special
   tokens removed). `observation` is what the model is shown next (``None`` when done): a string,
   or, for a vision-language model, text and images (`weir.rollout.observation.Observation`, or
-  a list of chat content parts),
+  a list of chat content parts), or chat messages (`weir.rollout.observation.ChatMessages`: a
+  user reply, several tool results; rendered as the template lays those messages out),
   `reward` a float for this step, `done` ends the episode, `info` a dict of extras; numeric
   `info` entries named like `ToolEnv`'s counters (``tool_calls``, ``tool_errors``,
   ``malformed_calls``) are summed into the episode's metrics.
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from weir.rollout.observation import Observation, as_observation
+from weir.rollout.observation import ChatMessages, Observation, as_observation
 from weir.rollout.tool_calls import get_tool_format
 from weir.rollout.tools import ToolRegistry
 
@@ -42,7 +43,7 @@ class Env(Protocol):
 
 @dataclass
 class StepResult:
-    observation: str | Observation | None
+    observation: str | Observation | ChatMessages | None
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)

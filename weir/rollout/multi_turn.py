@@ -38,7 +38,7 @@ from weir.data.sample import Group, Sample, Status
 from weir.engine.base import Completion
 from weir.plugins import resolve
 from weir.rollout.env import StepResult, ToolEnv, as_step_result
-from weir.rollout.observation import Observation, as_observation
+from weir.rollout.observation import ChatMessages, Observation, as_observation
 from weir.rollout.rewards import score
 from weir.rollout.single_turn import RolloutContext
 from weir.rollout.tool_calls import get_tool_format, raw_turn_text
@@ -49,7 +49,14 @@ from weir.rollout.vision_episode import (
     split_segments,
 )
 
-__all__ = ["rollout", "run_episode", "ObservationCodec", "observation_codec", "make_env"]
+__all__ = [
+    "rollout",
+    "run_episode",
+    "ObservationCodec",
+    "observation_codec",
+    "encode_messages",
+    "make_env",
+]
 
 COUNTERS = ("tool_calls", "tool_errors", "malformed_calls", "invalid_actions")
 ENV_ERRORS = ("env_errors", "env_timeouts", "env_bad_results")
@@ -67,9 +74,31 @@ class ObservationCodec:
     prefix: str
     suffix: str
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str | ChatMessages) -> list[int]:
+        if isinstance(text, ChatMessages):
+            return encode_messages(self.tokenizer, text.messages, self)
         ids = self.tokenizer(self.prefix + text + self.suffix, add_special_tokens=False)
         return [int(i) for i in ids["input_ids"]]
+
+
+def encode_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], plain: ObservationCodec | None = None
+) -> list[int]:
+    """The ids that follow a finished assistant turn when `messages` come next and the model
+    answers them: the chat template over ``[user, assistant, *messages]`` with the generation
+    prompt, from the assistant's end-of-turn token on (as `observation_codec` takes one tool
+    turn's wrapper), so consecutive messages are laid out as the template groups them. Without
+    a template, each message's content between newlines (`plain`'s wrapper)."""
+    if not getattr(tokenizer, "chat_template", None):
+        codec = plain or ObservationCodec(tokenizer, "\n", "\n")
+        text = "".join(codec.prefix + m["content"] + codec.suffix for m in messages)
+    else:
+        chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK_A}]
+        full = tokenizer.apply_chat_template(
+            chat + [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        text = full[_after_assistant(tokenizer, full) :]
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def observation_codec(tokenizer: Any, role: str = "tool") -> ObservationCodec:
@@ -86,12 +115,16 @@ def observation_codec(tokenizer: Any, role: str = "tool") -> ObservationCodec:
         {"role": role, "content": _MARK_T},
     ]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    start = text.index(_MARK_A) + len(_MARK_A)
-    eos = tokenizer.eos_token or ""
-    if eos and text.startswith(eos, start):
-        start += len(eos)
+    start = _after_assistant(tokenizer, text)
     mid = text.index(_MARK_T)
     return ObservationCodec(tokenizer, text[start:mid], text[mid + len(_MARK_T) :])
+
+
+def _after_assistant(tokenizer: Any, text: str) -> int:
+    """Where `text` (a rendered chat) goes on after the marker assistant turn and its EOS."""
+    start = text.index(_MARK_A) + len(_MARK_A)
+    eos = tokenizer.eos_token or ""
+    return start + len(eos) if eos and text.startswith(eos, start) else start
 
 
 def make_env(agent: Any) -> Any:
@@ -298,7 +331,7 @@ def _observation_ids(
             room = agent.max_tokens - (len(raw) - media.prompt_length)
             return media.observation(value, len(raw), room, codec)
         obs = as_observation(value)
-        if not isinstance(obs, str):
+        if not isinstance(obs, (str, ChatMessages)):
             raise TypeError("the observation has images, but the model takes none")
         return codec.encode(obs)
     except (TypeError, ValueError) as e:

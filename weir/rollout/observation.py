@@ -6,6 +6,10 @@ An environment's ``reset`` and ``step`` may return, besides a plain string, an `
     Observation(text="Goal: log in as ada", images=[screen])          # a PIL image, path, data URL
     [{"type": "image", "image": screen}, {"type": "text", "text": "Goal: ..."}]
 
+An environment that answers as chat messages (a user reply, several tool results) returns
+`ChatMessages`; the chat template renders them as those messages, each in its own role's layout
+(`weir.rollout.multi_turn.encode_messages`).
+
 An image is any reference `weir.data.vision.load_image` reads (a PIL image, a file path, a
 ``data:image/...;base64,`` URL, bytes, an HF `datasets` Image dict). An `Observation`'s images come
 before its text. `summary` is the text that stands in for its images once the episode's image memory
@@ -18,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Observation", "as_observation", "content_parts"]
+__all__ = ["Observation", "ChatMessages", "as_observation", "content_parts"]
 
 
 @dataclass
@@ -39,13 +43,36 @@ class Observation:
         return out
 
 
-def as_observation(value: Any, where: str = "observation") -> Observation | str | None:
+@dataclass
+class ChatMessages:
+    """Chat messages shown to the model in one turn, each ``{"role": "user" | "tool" | "system",
+    "content": str}`` (more keys, such as ``tool_call_id``, pass to the chat template). An empty
+    list shows nothing but the next assistant header."""
+
+    messages: list[dict[str, Any]]
+
+
+def as_observation(
+    value: Any, where: str = "observation"
+) -> Observation | ChatMessages | str | None:
     """`value` as what the episode appends: None, a string (text only), or an `Observation`.
 
     A list of content parts becomes an `Observation` (its texts joined in order, its images kept in
     order; a list holding only text is a string). Anything else raises TypeError naming `where`.
     """
     if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, ChatMessages):
+        for m in value.messages:
+            if not (
+                isinstance(m, Mapping)
+                and m.get("role") in ("user", "tool", "system")
+                and isinstance(m.get("content"), str)
+            ):
+                raise TypeError(
+                    f"{where}: a message must be {{'role': 'user' | 'tool' | 'system', "
+                    f"'content': str}}, got {m!r:.200}"
+                )
         return value
     if isinstance(value, Observation):
         if not isinstance(value.text, str) or not isinstance(value.images, list):

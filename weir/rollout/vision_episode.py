@@ -45,7 +45,7 @@ from weir.data.prompts import PromptTooLong
 from weir.data.sample import Sample, Status
 from weir.data.vision import VisionInputs, process_vision_text, processor_of, vision_messages
 from weir.data.vision_spans import concat_vision, image_spans, select_images
-from weir.rollout.observation import Observation, as_observation
+from weir.rollout.observation import ChatMessages, Observation, as_observation
 
 __all__ = ["EpisodeImages", "episode_images", "split_segments", "vision_extras"]
 
@@ -121,7 +121,7 @@ class EpisodeImages:
         goes through the processor, and the memory policy may then drop older images, which opens
         a new segment after this observation."""
         obs = as_observation(value)
-        if isinstance(obs, str):
+        if isinstance(obs, (str, ChatMessages)):
             ids = codec.encode(obs)
             if len(ids) >= room:
                 self.stop = "max_tokens"
