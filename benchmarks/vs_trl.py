@@ -262,12 +262,15 @@ def run_side(side: str, spec: dict, python: str, timeout: float) -> dict:
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
+        # TRL's side writes a progress file (weir's keeps its metrics.jsonl in the run directory)
         progress = Path(spec["run_dir"]) / "progress.jsonl"
-        done = progress.read_text().count("\n") if progress.exists() else 0
-        return {
-            "error": f"{side} ran past --timeout {timeout:.0f} s after {done} of {spec['steps']} "
-            f"steps (seconds per step so far: {progress})"
-        }
+        done = (
+            f" after {progress.read_text().count(chr(10))} of {spec['steps']} steps (seconds per "
+            f"step so far: {progress})"
+            if progress.exists()
+            else f" (its run directory: {spec['run_dir']})"
+        )
+        return {"error": f"{side} ran past --timeout {timeout:.0f} s{done}"}
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stderr or proc.stdout)[-3000:]
         return {"error": f"{side} exited {proc.returncode}:\n{tail}"}

@@ -360,20 +360,25 @@ def text(ids: list[int]) -> str:
     return TOK.decode(ids, skip_special_tokens=True).strip()
 
 
-@pytest.mark.slow
-def test_three_rl_steps_on_a_single_turn_env_train_on_the_engines_tokens(tmp_path):
+def three_rl_steps(example: str, tmp_path) -> list:
+    """Every sample of 3 GRPO steps (and the evaluations) of `example`, after checking that no
+    rollout failed and that the engine's log-probs of the recorded tokens are the trainer's (fp32,
+    both on the CPU): the tokens trained on are the ones the engine sampled."""
     groups: list = []
     result = weir.run(
-        EXAMPLES / "verifiers_arithmetic.yaml",
+        EXAMPLES / example,
         [f"run.dir={tmp_path}", "run.steps=3", *SMALL],
         rollout=capturing(groups),
     )
     steps = [h for h in result.history if "reward/mean" in h]
     assert len(steps) == 3 and all(h["rollout/failed"] == 0 for h in steps)
-    # the engine's log-probs of the recorded tokens are the trainer's (fp32, both on the CPU): the
-    # tokens trained on are the ones the engine sampled
     assert all(h["mismatch/abs_logp_diff"] < 1e-4 for h in steps)
-    samples = [s for g in groups for s in g.samples]
+    return [s for g in groups for s in g.samples]
+
+
+@pytest.mark.slow
+def test_three_rl_steps_on_a_single_turn_env_train_on_the_engines_tokens(tmp_path):
+    samples = three_rl_steps("verifiers_arithmetic.yaml", tmp_path)
     assert len(samples) == 3 * 4 * 4 + 2 * 4  # 3 steps, and the evaluations before and after
     for s in samples:
         assert s.loss_mask == [1] * len(s.response_ids)  # one model turn, all trained
@@ -383,16 +388,7 @@ def test_three_rl_steps_on_a_single_turn_env_train_on_the_engines_tokens(tmp_pat
 
 @pytest.mark.slow
 def test_three_rl_steps_on_a_multi_turn_env_mask_its_turns(tmp_path):
-    groups: list = []
-    result = weir.run(
-        EXAMPLES / "verifiers_higher_lower.yaml",
-        [f"run.dir={tmp_path}", "run.steps=3", *SMALL],
-        rollout=capturing(groups),
-    )
-    steps = [h for h in result.history if "reward/mean" in h]
-    assert len(steps) == 3 and all(h["rollout/failed"] == 0 for h in steps)
-    assert all(h["mismatch/abs_logp_diff"] < 1e-4 for h in steps)
-    samples = [s for g in groups for s in g.samples]
+    samples = three_rl_steps("verifiers_higher_lower.yaml", tmp_path)
     env_turns = 0
     for s in samples:
         runs, guesses = spans(s), []
