@@ -17,6 +17,7 @@ import json
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -41,7 +42,7 @@ def demo_config_path(task: str) -> Path:
 
 def run_demo(
     task: str, out: Path, overrides: list[str], console: Console | None = None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Run the demo end to end; returns (and writes to out/demo.json) the before/after summary.
 
     "after" is the mean of the last three evaluations, since one evaluation swings by a few points;
