@@ -62,6 +62,7 @@ the two engine processes, then a trainer on two torch threads (model.threads=2).
     python benchmarks/vs_trl.py --workloads B --modes sync sync-2engines async-finish-2engines --trl-threads 1 2
     python benchmarks/vs_trl.py --workloads R --threads 1 2 --rounds 1   # the real model
     python benchmarks/vs_trl.py --workloads S --rounds 3                 # sparse rewards, 3 seeds
+    python benchmarks/vs_trl.py --workloads S --rounds 2 --first-round 1 # seeds 1 and 2 only
 """
 
 from __future__ import annotations
@@ -325,6 +326,12 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (order rotates)")
     ap.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="seed of the first round (round r runs seed first-round + r): add seeds to earlier runs",
+    )
+    ap.add_argument(
         "--trl-threads",
         type=int,
         nargs="+",
@@ -404,9 +411,10 @@ def main() -> None:
         flush=True,
     )
     results: dict[tuple[str, str], list[dict]] = {}
-    for rnd in range(args.rounds):
+    for i in range(args.rounds):
+        rnd = args.first_round + i
         for wl in args.workloads:
-            order = sides[rnd % len(sides) :] + sides[: rnd % len(sides)]
+            order = sides[i % len(sides) :] + sides[: i % len(sides)]
             for side in order:
                 name, _, at = side.partition("@")
                 mode = name.split("-", 1)[1] if name.startswith("weir") else "trl"
