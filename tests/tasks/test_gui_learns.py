@@ -13,7 +13,6 @@ first few hundred (the loss plateaus near log 2 per coordinate digit) and then r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -57,12 +56,9 @@ def test_sft_then_task_level_rl_raise_sampled_success_on_held_out_goals(tmp_path
     assert before["eval/prompts"] == after["eval/prompts"] == 192
     assert rl.eval.n == 8 and rl.eval.temperature == 1.0
 
-    # 1500 SFT steps: 61.9% with this seed (a model that clicks some element of the screen at
-    # random reaches a press goal 1 time in 4, a menu goal 1 in 16)
-    assert before["eval/accuracy"] >= 0.45
+    assert before["eval/accuracy"] >= 0.45  # 1500 SFT steps: 61.9% with this seed
     # 20 task-level GRPO steps
     assert after["eval/accuracy"] - before["eval/accuracy"] >= RISE
 
-    steps = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").open()]
-    diffs = [s["mismatch/abs_logp_diff"] for s in steps if "mismatch/abs_logp_diff" in s]
+    diffs = [h["mismatch/abs_logp_diff"] for h in result.history if "mismatch/abs_logp_diff" in h]
     assert len(diffs) == 20 and max(diffs) < 1e-5  # engine = trainer log-probs, fp32

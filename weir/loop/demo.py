@@ -47,7 +47,8 @@ def run_demo(
 
     "after" is the mean of the last three evaluations, since one evaluation swings by a few points;
     a pretrained model's demo, whose run is a few steps with evaluations five steps apart, shows
-    the last evaluation (both are in the summary).
+    the last evaluation (both are in the summary). A demo in several RL stages (`STAGES`) reports
+    each stage's first and last evaluations instead (`weir.loop.demo_stages`).
     """
     console = console or Console()
     path = demo_config_path(task)

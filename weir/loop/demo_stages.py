@@ -5,7 +5,7 @@ before it left, with the held-out success before and after each stage.
 action-level RL (examples/gui_action.yaml), then task-level RL (examples/gui.yaml). Every stage's
 evaluation plays the same held-out episodes, so its first evaluation is the "before" of the stage
 and its last the "after". The GUI demo samples its evaluations (temperature 1, 8 episodes per goal:
-1536 episodes, a standard error of about 1.5 points), so one evaluation is the figure, not a mean.
+1536 episodes, a binomial standard error of about 1.2 points), so one evaluation is the figure, not a mean.
 """
 
 from __future__ import annotations
