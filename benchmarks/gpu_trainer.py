@@ -96,6 +96,18 @@ SHAPES: dict[str, dict[str, Any]] = {
 MICRO_BATCH = {"0.5b": 16384, "1.5b": 8192, "tiny": 256}
 TARGETS = {"0.5b": 0.35, "1.5b": 0.40}  # model-FLOP MFU, one H100, bf16, realistic lengths
 RAY_RESERVE_S = 90.0  # of --budget-s, kept for --ray
+# `train` overrides measured beside the defaults (`--variants`): how the step computes in bf16
+# (`train.mixed_precision`), the fused element-wise route (`train.fuse`), the memory plan
+VARIANTS: dict[str, dict[str, Any]] = {
+    "autocast_off": {"mixed_precision": "autocast", "fuse": "off"},  # the defaults until 2026-11-27
+    "autocast_liger": {"mixed_precision": "autocast", "fuse": "liger"},
+    "autocast_compile": {"mixed_precision": "autocast", "fuse": "compile"},
+    "copy_off": {"mixed_precision": "compute_copy", "fuse": "off"},
+    "copy_liger": {"mixed_precision": "compute_copy", "fuse": "liger"},
+    "copy_compile": {"mixed_precision": "compute_copy", "fuse": "compile"},
+    "copy_liger_plan": {"mixed_precision": "compute_copy", "fuse": "liger", "memory": "plan"},
+    "copy_compile_plan": {"mixed_precision": "compute_copy", "fuse": "compile", "memory": "plan"},
+}
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
@@ -238,13 +250,14 @@ def layout_report(actor, batch, budget: int) -> dict[str, Any]:
     return out
 
 
-def fused_routes(model: torch.nn.Module, device: torch.device) -> list[str]:
+def fused_routes(shape: str, device: torch.device) -> list[str]:
     """The routes of `train.fuse` that would run as themselves here (not as a fallback), on a
-    GPU only (a compile on a CPU costs minutes)."""
+    GPU only (a compile on a CPU costs minutes); judged on the shape's model without weights."""
     if device.type != "cuda" or not train_choices("fuse"):
         return []
     from weir.train.fuse import choose_fusion
 
+    model = build_model(shape, torch.device("meta"))
     return [r for r in ("liger", "compile") if choose_fusion(r, model, device).route == r]
 
 
@@ -267,18 +280,26 @@ def overrides(args, shape: str, device: torch.device, batch, **train: Any) -> li
 
 
 def run_config(
-    model, shape, batch, args, device, env, *, warm: int, steps: int, profile: bool = False, **train
+    shape, batch, args, device, env, *, warm: int, steps: int, profile: bool = False, **train
 ) -> dict[str, Any]:
-    """Build an Actor with `train` overrides, run `warm` untimed and `steps` timed steps."""
+    """Build a fresh model (a fused route changes its model for good; one model at a time on the
+    device) and an Actor with `train` overrides; run `warm` untimed and `steps` timed steps."""
     from weir.config import build_config
     from weir.train.actor import Actor, ActorSettings
 
     cfg = build_config({}, overrides(args, shape, device, batch, **train))
+    model = build_model(shape, device)
+    params = sum(p.numel() for p in model.parameters())
     actor = Actor(model, ActorSettings.from_config(cfg))
     out: dict[str, Any] = {"layout": None, "train": train}
     fusion = getattr(actor, "fusion", None)
     if fusion is not None:
         out["fusion"] = f"{fusion.route}: {fusion.reason}"
+    precision = getattr(actor, "precision", None)
+    if precision is not None:
+        out["compute_copy"] = bool(precision.mixed and precision.copy)
+    out["micro_batch_tokens"] = actor.tcfg.micro_batch_tokens  # after `train.memory: plan`
+    out["gradient_checkpointing"] = actor.tcfg.gradient_checkpointing
     try:
         warm_s = [timed(actor, batch, device)[0] for _ in range(warm)]
         if warm_s:
@@ -297,17 +318,16 @@ def run_config(
         if profile:
             out["profile"] = profile_step(actor, batch, device, args.top_kernels)
     finally:
-        del actor
+        del actor, model
         free(device)
     if out.get("step_s"):
-        out.update(figures(shape, batch, model, out["step_s"], env["peak_bf16"]))
+        out.update(figures(shape, batch, params, out["step_s"], env["peak_bf16"]))
     return out
 
 
-def figures(shape, batch, model, step_s: list[float], peak: float | None) -> dict[str, Any]:
+def figures(shape, batch, params: int, step_s: list[float], peak: float | None) -> dict[str, Any]:
     seqs = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
     resp = [len(s.response_ids) for s in batch.samples]
-    params = sum(p.numel() for p in model.parameters())
     flops = step_flops(SHAPES[shape], seqs, resp, params)
     mean = sum(step_s) / len(step_s)
     out: dict[str, Any] = {"tokens": sum(seqs), "tok_s": sum(seqs) / mean, "mean_s": mean}
@@ -328,15 +348,11 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.start)
 
 
-def measure_shape(
-    shape: str, args, device, env, budget: Budget, report, deferred: list
-) -> dict[str, Any]:
-    """Every part of `shape` but `fuse_liger`, which is appended to `deferred` as a callable that
-    runs it later, with the seconds of this shape's share kept for it (module docstring)."""
+def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict[str, Any]:
+    """Every part of `shape` within `budget` (module docstring)."""
     from weir.train.batch import make_batch
 
     vocab = SHAPES[shape]["vocab_size"]
-    model = build_model(shape, device)
     batches = {
         k: make_batch(make_groups(args, vocab, k), version=0) for k in ("lognormal", "fixed")
     }
@@ -353,14 +369,13 @@ def measure_shape(
     }
     real = batches["lognormal"]
     step_s = [0.0]
-    kept = [0.0]  # seconds of this share kept for the deferred Liger part
     layouts = [x for x in (train_choices("packing") or ()) if x != "auto"]
     kernels = train_choices("logprob_kernel")
 
     def part(name: str, steps_cost: float, fn, within: Budget | None = None) -> None:
         """Run `fn` unless the budget cannot take about `steps_cost` more main steps."""
         need = steps_cost * step_s[0] + 2.0
-        left = within.left() if within is not None else budget.left() - kept[0]
+        left = within.left() if within is not None else budget.left()
         if left < need:
             res[name] = {"skipped": f"budget ({left:.0f} s left, ~{need:.0f} s needed)"}
             report["skipped"].append(f"{shape}/{name}")
@@ -378,15 +393,7 @@ def measure_shape(
 
     def main_part():
         out = run_config(
-            model,
-            shape,
-            real,
-            args,
-            device,
-            env,
-            warm=1,
-            steps=args.steps,
-            profile=not args.no_profile,
+            shape, real, args, device, env, warm=1, steps=args.steps, profile=not args.no_profile
         )
         step_s[0] = out["mean_s"]
         return out
@@ -398,58 +405,65 @@ def measure_shape(
     if not step_s[0]:
         return res
     w, n = args.variant_warmup, args.variant_steps
+    parts = set(args.parts.split(",")) if args.parts else set()
 
-    def fused(route: str):  # a fresh model: both routes change the model in place for good
-        return run_config(
-            build_model(shape, device), shape, real, args, device, env, warm=w, steps=n, fuse=route
-        )
-
-    routes = fused_routes(model, device)
-    if "liger" in routes:  # last of all (module docstring), out of this share
-        liger_cost = (w + n) * 2 + 2
-        kept[0] = liger_cost * step_s[0] + 2.0
-
-        def liger_later(seconds: float = kept[0]) -> None:
-            part("fuse_liger", liger_cost, lambda: fused("liger"), within=Budget(seconds))
-
-        deferred.append(liger_later)
-    if "compile" in routes:
-        part("fuse_compile", (w + n) * 2 + 8, lambda: fused("compile"))
-    main_layout = res["main"]["layout"]
-    res["layouts"] = {main_layout: "main"}
-    for layout in layouts:
-        if layout == main_layout:
+    routes = fused_routes(shape, device)
+    res["variants"] = {}
+    for name in [v for v in args.variants.split(",") if v]:
+        train = VARIANTS[name]
+        route = train.get("fuse")
+        if route in ("liger", "compile") and route not in routes:
+            res["variants"][name] = {"skipped": f"train.fuse={route} cannot run here"}
+            print(f"{shape} variant {name}: skipped ({route} cannot run here)", flush=True)
             continue
-        cost = (w + n) * (3 if layout == "packed" else 1.5)
+        cost = (w + n) * 2 + (8 if route == "compile" else 2)
+        profiled = name in args.profile_variants.split(",")
 
-        def one(layout=layout):
+        def one(train=train, profiled=profiled):
             return run_config(
-                model, shape, real, args, device, env, warm=w, steps=n, packing=layout
+                shape, real, args, device, env, warm=w, steps=n, profile=profiled, **train
             )
 
-        part(f"layout_{layout}", cost, one)
-        res["layouts"][layout] = res.pop(f"layout_{layout}")
-    part(
-        "fixed",
-        w + n,
-        lambda: run_config(model, shape, batches["fixed"], args, device, env, warm=w, steps=n),
-    )
-    if kernels and "reference" in kernels:
+        part(f"variant_{name}", cost, one)
+        row = res["variants"][name] = res.pop(f"variant_{name}")
+        if "profile" in row:
+            res[f"profile_{name}"] = row.pop("profile")
+            print_profile(f"{shape} {name}", res[f"profile_{name}"])
+    if "layouts" in parts:
+        main_layout = res["main"]["layout"]
+        res["layouts"] = {main_layout: "main"}
+        for layout in layouts:
+            if layout == main_layout:
+                continue
+            cost = (w + n) * (3 if layout == "packed" else 1.5)
+
+            def one_layout(layout=layout):
+                return run_config(shape, real, args, device, env, warm=w, steps=n, packing=layout)
+
+            part(f"layout_{layout}", cost, one_layout)
+            res["layouts"][layout] = res.pop(f"layout_{layout}")
+    if "fixed" in parts:
+        part(
+            "fixed",
+            w + n,
+            lambda: run_config(shape, batches["fixed"], args, device, env, warm=w, steps=n),
+        )
+    if "head" in parts and kernels and "reference" in kernels:
         part(
             "head_reference",
             (w + n) * 1.5,
             lambda: run_config(
-                model, shape, real, args, device, env, warm=w, steps=n, logprob_kernel="reference"
+                shape, real, args, device, env, warm=w, steps=n, logprob_kernel="reference"
             ),
         )
-    part(  # last: HF cannot turn checkpointing off again on this model
-        "checkpointing",
-        (w + n) * 1.5,
-        lambda: run_config(
-            model, shape, real, args, device, env, warm=w, steps=n, gradient_checkpointing=True
-        ),
-    )
-    model = None  # noqa: F841 - the closures above hold it until here
+    if "checkpointing" in parts:
+        part(
+            "checkpointing",
+            (w + n) * 1.5,
+            lambda: run_config(
+                shape, real, args, device, env, warm=w, steps=n, gradient_checkpointing=True
+            ),
+        )
     free(device)
     return res
 
@@ -489,6 +503,17 @@ def targets(report: dict[str, Any], device: torch.device) -> list[dict[str, Any]
                 "pass": ok,
             }
         )
+        rows = report["shapes"].get(shape, {}).get("variants", {})
+        measured = {k: r["mfu_model"] for k, r in rows.items() if r.get("mfu_model") is not None}
+        if measured:  # what the defaults would reach with another setting (not the target itself)
+            best = max(measured, key=measured.get)
+            out.append(
+                {
+                    "target": f"{shape} best variant ({best}), for comparison",
+                    "value": measured[best],
+                    "pass": None if not h100 else measured[best] >= goal,
+                }
+            )
     ray = report.get("ray") or {}
     gpu = device.type == "cuda"  # the Ray targets are for one GPU; elsewhere only the figures
     s_gb = ray.get("sync_s_per_gb")
@@ -507,6 +532,16 @@ def targets(report: dict[str, Any], device: torch.device) -> list[dict[str, Any]
             "pass": None if ratio is None or not gpu else ratio <= 1.2,
         }
     )
+    for mode in ("defaults", "resident"):
+        other = ray.get(f"ray_{mode}_over_local")
+        if other is not None:
+            out.append(
+                {
+                    "target": f"colocated Ray step, {mode} (gpu_trainer_ray.RAY_MODES), for comparison",
+                    "value": other,
+                    "pass": None if not gpu else other <= 1.2,
+                }
+            )
     return out
 
 
@@ -530,7 +565,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--head-rows", type=int, default=16384)
     ap.add_argument("--top-kernels", type=int, default=15)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument(
+        "--variants",
+        default="autocast_off,copy_off,copy_compile,copy_liger_plan",
+        help=f"comma-separated, of: {', '.join(VARIANTS)} (empty: none)",
+    )
+    ap.add_argument("--profile-variants", default="", help="variants to profile a step of")
+    ap.add_argument(
+        "--parts",
+        default="layouts,fixed,head,checkpointing",
+        help="the other parts after the variants (empty: none)",
+    )
     ap.add_argument("--ray", action="store_true", help="also the colocated Ray step and sync")
+    ap.add_argument(
+        "--ray-modes",
+        default="",
+        help="with --ray, also these colocated configurations: defaults, resident (comma-separated)",
+    )
     ap.add_argument("--out", default="gpu_trainer.json")
     args = ap.parse_args(argv)
     if args.shapes == "tiny":  # lengths a CPU runs in seconds
@@ -558,14 +609,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("no C compiler (cc/gcc): Triton and torch.compile cannot build kernels", flush=True)
     report: dict[str, Any] = {"env": env, "args": vars(args), "shapes": {}, "skipped": []}
     head_done = False
-    deferred: list = []  # the Liger parts, run last (module docstring)
     try:
-        shapes = args.shapes.split(",")
+        shapes = [s for s in args.shapes.split(",") if s]  # none: only the Ray part
         for i, shape in enumerate(shapes):  # each shape an equal share of what is left
             share = Budget(shapes_budget.left() / (len(shapes) - i))
-            report["shapes"][shape] = measure_shape(
-                shape, args, device, env, share, report, deferred
-            )
+            report["shapes"][shape] = measure_shape(shape, args, device, env, share, report)
             if not head_done and shapes_budget.left() > 20:
                 head_done = True
                 report["head"] = head_bench(
@@ -584,8 +632,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     traceback.print_exc(limit=5)
                     report["ray"] = {"error": f"{type(err).__name__}: {err}"[:400]}
             print("ray:", json.dumps(report["ray"], default=str), flush=True)
-        for later in deferred:
-            later()
     finally:
         report["targets"] = targets(report, device)
         report["elapsed_s"] = time.perf_counter() - budget.start

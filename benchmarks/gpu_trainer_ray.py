@@ -93,6 +93,19 @@ def _overrides(args, shape: str, device: torch.device, batch, ray: bool) -> list
     return cfg
 
 
+# further colocated configurations than the full hand-over above (`--ray-modes`): `defaults` the
+# engine frees its KV cache but keeps its weights (engine.sleep_offload_weights=false, the default),
+# the trainer still offloads; `resident` nothing moves (both fit on the device)
+RAY_MODES = {
+    "defaults": ["engine.sleep_offload_weights=false"],
+    "resident": [
+        "engine.sleep_offload_weights=false",
+        "cluster.offload_trainer=false",
+        "engine.sleep_while_training=false",
+    ],
+}
+
+
 def _steps(actor, batch, device, steps: int, budget: int) -> dict[str, Any]:
     warm = timed(actor, batch, device)[0]
     runs = [timed(actor, batch, device)[0] for _ in range(steps)]
@@ -213,6 +226,19 @@ def measure(args, device: torch.device, seconds: float) -> dict[str, Any]:
         gc.collect()
         ray_cfg = build_config({}, _overrides(args, shape, device, batch, ray=True))
         out["ray"] = _ray(model_dir, ray_cfg, batch, steps, Path(tmp) / "run")
+        for mode in [m for m in getattr(args, "ray_modes", "").split(",") if m]:
+            if time.perf_counter() - start > seconds * 0.7:
+                out[f"ray_{mode}"] = {"skipped": "budget"}
+                continue
+            cfg = _overrides(args, shape, device, batch, ray=True) + RAY_MODES[mode]
+            try:
+                rows = _ray(model_dir, build_config({}, cfg), batch, steps, Path(tmp) / mode)
+            except Exception as err:  # noqa: BLE001 - a further figure: report and go on
+                out[f"ray_{mode}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                continue
+            out[f"ray_{mode}"] = rows
+            wall = statistics.mean(r["wall_s"] for r in rows["steps"])
+            out[f"ray_{mode}_over_local"] = wall / out["local"]["mean_s"]
     timed_rows = out["ray"]["steps"]
     local = out["local"]["mean_s"]
     wall = statistics.mean(r["wall_s"] for r in timed_rows)

@@ -22,6 +22,16 @@ def test_dotted_overrides_are_typed():
     assert cfg.data.task_options == {"digits": 3}
 
 
+def test_a_bare_off_is_the_word_off_not_false(tmp_path):
+    """YAML 1.1 reads `off` as false; `train.fuse: off` (file or override) means the route "off"."""
+    assert build_config({}, ["train.fuse=off"]).train.fuse == "off"
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  fuse: off\n")
+    assert load_config(path).train.fuse == "off"
+    with pytest.raises(ConfigError, match="train.fuse"):
+        build_config({}, ["train.fuse=true"])
+
+
 @pytest.mark.parametrize(
     ("override", "must_mention"),
     [

@@ -52,7 +52,8 @@ def test_auto_is_off_on_a_cpu_and_liger_falls_back_to_compile_there():
 
 
 def test_the_chain_on_a_gpu_without_liger_or_triton(monkeypatch):
-    """On CUDA without liger-kernel and Triton: liger -> compile -> off, each reason given."""
+    """On CUDA without liger-kernel and Triton: auto tries compile, then liger, then off, each
+    reason given."""
     real = fuse.importlib.util.find_spec
     monkeypatch.setattr(
         fuse.importlib.util,
@@ -63,8 +64,8 @@ def test_the_chain_on_a_gpu_without_liger_or_triton(monkeypatch):
     got = choose_fusion("auto", _model(), CUDA)
     assert got.route == "off"
     assert got.reason == (
-        "liger off: liger-kernel is not installed (pip install --no-deps liger-kernel); "
-        "compile off: Triton is not installed"
+        "compile off: Triton is not installed; "
+        "liger off: liger-kernel is not installed (pip install --no-deps liger-kernel)"
     )
     monkeypatch.setattr(fuse.importlib.util, "find_spec", real)
     model = _model()
@@ -72,6 +73,71 @@ def test_the_chain_on_a_gpu_without_liger_or_triton(monkeypatch):
     if real("liger_kernel") is None:
         return
     assert "not checked on 'gemma2'" in choose_fusion("liger", model, CUDA).reason
+
+
+def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(monkeypatch):
+    """Measured on an H200 (docs/dev/gpu-runs.md): compiled layers are faster than Liger's
+    kernels at both Qwen2.5 shapes, so `auto` compiles where a C compiler and Triton are there."""
+    real = fuse.importlib.util.find_spec
+    monkeypatch.setattr(
+        fuse.importlib.util,
+        "find_spec",
+        lambda name: object() if name in ("liger_kernel", "triton") else real(name),
+    )
+    monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
+    assert choose_fusion("auto", _model(), CUDA).route == "compile"
+    monkeypatch.setattr(fuse.shutil, "which", lambda name: None)
+    got = choose_fusion("auto", _model(), CUDA)
+    assert got.route == "liger"
+    assert got.reason.startswith("compile off: no C compiler on PATH")
+
+
+def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(monkeypatch):
+    """`auto` fuses only what was measured faster on a GPU: a whole model in one process. An FSDP2
+    rank (compiling took 61 s on an H100 for no faster step) and a LoRA model (no route checked on
+    a GPU) stay unfused, and the reason says how to ask for a route; asked for, a route runs."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+
+    from weir.train.distributed import free_port
+
+    real = fuse.importlib.util.find_spec
+    monkeypatch.setattr(
+        fuse.importlib.util,
+        "find_spec",
+        lambda name: object() if name in ("liger_kernel", "triton") else real(name),
+    )
+    monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
+    lora = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    got = choose_fusion("auto", lora, CUDA)
+    assert (
+        got.route == "off" and "LoRA" in got.reason and "train.fuse=liger or compile" in got.reason
+    )
+    assert choose_fusion("compile", lora, CUDA).route == "compile"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        sharded = fully_shard(_model())
+        got = choose_fusion("auto", sharded, CUDA)
+        assert got.route == "off" and "FSDP2 rank" in got.reason
+        assert choose_fusion("liger", sharded, CUDA).route == "liger"
+    finally:
+        dist.destroy_process_group()
+    assert choose_fusion("auto", _model(), CUDA).route == "compile"
+
+
+def test_a_lora_model_is_fused_through_its_base_model():
+    """peft wraps the transformers model: the decoder layers (LoRA layers inside them) and the
+    modules Liger patches are the base model's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _model()
+    layers = list(model.model.layers)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert fuse._decoder_layers(peft_model) == layers
+    assert fuse._unwrapped(peft_model) is model
 
 
 def test_a_missing_compiler_turns_compile_off_and_says_so_once(no_compiler, caplog):

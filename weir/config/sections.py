@@ -5,11 +5,16 @@ sub-sections. Every field has a default, a range where one makes sense, and a do
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+
+def _off(value: Any) -> Any:
+    """YAML 1.1 reads a bare `off` (in a file or a `key=off` override) as false: take it as "off"."""
+    return "off" if value is False else value
 
 
 class Section(BaseModel):
@@ -304,12 +309,13 @@ class TrainConfig(Section):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """dtype of the forward/backward matmuls (autocast locally, FSDP2 MixedPrecisionPolicy on Ray).
     `auto`: bfloat16 on CUDA, float32 on CPU."""
-    mixed_precision: Literal["autocast", "compute_copy"] = "autocast"
+    mixed_precision: Literal["auto", "autocast", "compute_copy"] = "auto"
     """How one trainer process computes in a `compute_dtype` narrower than its float32 masters:
     `autocast` (torch.autocast: float32 residual stream, each linear casts its input and weight);
     `compute_copy` (forward and backward on a bf16 copy of the weights made at each update, bf16
     residual stream, gradients accumulated into the float32 masters: FSDP2's mixed precision, which
-    Ray ranks always use; +2 bytes per parameter during a step; docs/trainer-step.md)."""
+    Ray ranks always use; +2 bytes per parameter during a step; docs/trainer-step.md); `auto`:
+    compute_copy on CUDA, autocast elsewhere."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory for about one more forward's compute."""
@@ -343,11 +349,11 @@ class TrainConfig(Section):
     """`plan`: on a GPU, choose `gradient_checkpointing` (off where the activations fit) and
     `micro_batch_tokens` (the largest power of two from 4096 to 65536 that fits) at start-up from a
     memory model of the activations per token and the free GPU memory; logged. `fixed`: as set."""
-    fuse: Literal["auto", "liger", "compile", "off"] = "off"
+    fuse: Annotated[Literal["auto", "liger", "compile", "off"], BeforeValidator(_off)] = "auto"
     """Fused element-wise kernels in the decoder (RMSNorm, RoPE, SiLU x up): `liger` (Liger's Triton
     kernels, CUDA, `weir[liger]`), `compile` (regional torch.compile of each decoder layer; needs a
-    C compiler), `auto` (liger where it applies, else compile, on CUDA; off on a CPU). A route that
-    cannot run falls back to the next and says so once (docs/trainer-step.md)."""
+    C compiler), `auto` (liger where it applies, else compile, on CUDA; off on a CPU), `off`. A
+    route that cannot run falls back to the next and says so once (docs/trainer-step.md)."""
 
 
 class CriticConfig(Section):

@@ -13,9 +13,15 @@ Two routes, each applied to the trainer's model in place before its first forwar
   shared by all layers, the token dimension dynamic): any architecture, but Inductor needs a C compiler
   (and Triton on CUDA) and tens of seconds to compile at the first step.
 
-`auto` takes `liger` where it applies, else `compile` where it can run, on CUDA; `off` on a CPU
-(compiling there took minutes, docs/dev/engine-speed.md). A route asked for that cannot run falls back
-to the next (`liger` -> `compile` -> `off`), and the fallback and its reason are logged once.
+`auto` takes `compile` where it can run, else `liger` where it applies, on CUDA: on one H100
+(2026-11-27, a compute copy) compiled layers trained the Qwen2.5-0.5B shape at 0.51-0.59 s a step
+against 0.78-0.83 s for the old defaults (autocast, unfused), and on an H200 beat Liger's kernels
+at both shapes (0.45 against 0.51 s at 0.5B, 1.13 against 1.21 s at 1.5B; docs/dev/gpu-runs.md).
+`auto` fuses nothing on a CPU (compiling there took minutes, docs/dev/engine-speed.md), on an
+FSDP2 rank and on a LoRA model (`_auto_holds_off`: not faster, or not checked on a GPU). A route
+asked for that cannot run falls back to the next (`liger` -> `compile` -> `off`; `compile` ->
+`off`), and the fallback and its reason are logged once. A peft (LoRA) model is fused through its
+base model's modules.
 """
 
 from __future__ import annotations
@@ -71,10 +77,33 @@ def _compile_refusal(model: torch.nn.Module, device: torch.device) -> str | None
     return None
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (its LoRA layers sit inside its modules)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    base = getattr(model, "model", None)
+    base = getattr(_unwrapped(model), "model", None)
     base = getattr(base, "language_model", base)
     return list(getattr(base, "layers", None) or [])
+
+
+def _auto_holds_off(model: torch.nn.Module) -> str | None:
+    """Why `auto` fuses nothing on `model` although a route could run (None: it fuses). Measured
+    or checked on a GPU so far: only a whole model in one process (docs/dev/gpu-runs.md)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return (
+            "an FSDP2 rank (on one H100 neither route made its step faster, and compiling took "
+            "61 s); set train.fuse=liger or compile to use one"
+        )
+    if callable(getattr(model, "get_base_model", None)):
+        return (
+            "a LoRA (peft) model (no route checked on a GPU yet); set train.fuse=liger or compile"
+        )
+    return None
 
 
 def choose_fusion(mode: str, model: torch.nn.Module, device: torch.device) -> Fusion:
@@ -83,7 +112,13 @@ def choose_fusion(mode: str, model: torch.nn.Module, device: torch.device) -> Fu
         return Fusion("off", "train.fuse=off")
     if mode == "auto" and device.type != "cuda":
         return Fusion("off", "a CPU: compiling the layers costs minutes, more than it saves")
-    order = {"auto": ["liger", "compile"], "liger": ["liger", "compile"], "compile": ["compile"]}
+    if mode == "auto" and (held := _auto_holds_off(model)) is not None:
+        return Fusion("off", f"train.fuse=auto: {held}")
+    order = {
+        "auto": ["compile", "liger"],
+        "liger": ["liger", "compile"],
+        "compile": ["compile"],
+    }
     reasons = []
     for route in order[mode]:
         check = _liger_refusal if route == "liger" else _compile_refusal
@@ -104,7 +139,7 @@ def apply_fusion(
     if fusion.route == "liger":
         from weir.train.liger_scope import apply_liger
 
-        apply_liger(model)
+        apply_liger(_unwrapped(model))
     elif fusion.route == "compile":
         for layer in _decoder_layers(model):
             # `Module.compile`: a deep copy of the model (the reference policy, an engine's copy)

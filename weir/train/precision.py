@@ -53,7 +53,8 @@ class Precision:
                 "train.compute_dtype=float32 with train.param_dtype=bfloat16 computes in more "
                 "precision than the weights hold; use param_dtype=float32 or compute_dtype=bfloat16"
             )
-        copy = getattr(train, "mixed_precision", "autocast") == "compute_copy"
+        mode = getattr(train, "mixed_precision", "autocast")
+        copy = mode == "compute_copy" or (mode == "auto" and dev.type == "cuda")
         return cls(dev, param, compute, copy)
 
     @property
