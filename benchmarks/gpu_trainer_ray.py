@@ -162,15 +162,16 @@ def _ray(model_dir: Path, cfg, batch, steps: int, run_dir: Path) -> dict[str, An
         start = parts.trainer.start_stats()[0]
         for step in range(steps + 1):  # the first: warm-up (CUDA, cuBLAS, the first offload)
             t0 = time.perf_counter()
-            if router.sleep_mode:  # what `router.asleep()` does around the step, timed apart
+            # what the loop's `router.asleep(update_follows=True)` does around the step, timed apart
+            if router.sleep_mode:
                 router.sleep_sync(router.sleep_offload_weights)
             t1 = time.perf_counter()
             try:
                 stats = parts.trainer.train(batch)
             finally:
                 t2 = time.perf_counter()
-                if router.sleep_mode:
-                    router.wake_sync()
+                if router.sleep_mode:  # the sync below writes the weights (no copy back)
+                    router.wake_sync(update_follows=True)
             t3 = time.perf_counter()
             sync = parts.sync.push(step + 1)
             row = {

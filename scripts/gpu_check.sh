@@ -72,7 +72,7 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   "$PY" benchmarks/gpu_step.py "${quick[@]}" --compare-cudnn --compare-graphs --grpo-steps "${GPU_CHECK_GRPO_STEPS:-20}" --ray \
     --out "$OUTDIR/gpu_step.json" 2>&1 | tee "$OUTDIR/gpu_step.log" || status=1
   # the trainer step: MFU three ways, layouts, profile, the fused head, and the colocated Ray step
-  "$PY" benchmarks/gpu_trainer.py --ray --budget-s "${GPU_CHECK_TRAINER_S:-240}" \
+  "$PY" benchmarks/gpu_trainer.py --ray --ray-modes defaults --budget-s "${GPU_CHECK_TRAINER_S:-240}" \
     --out "$OUTDIR/gpu_trainer.json" 2>&1 | tee "$OUTDIR/gpu_trainer.log" || status=1
 fi
 # vLLM, when this machine's Python (or $WEIR_VLLM_PYTHON) has it: the vLLM engine's tests and its

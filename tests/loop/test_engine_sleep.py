@@ -63,6 +63,9 @@ def test_engine_sleeps_while_the_trainer_trains(
         assert engine_weights_gone == offloaded
         assert not trainer_weights_gone
     assert engines[0].kv_stats()["asleep"] == 0.0  # awake again after training
+    if offloaded:  # the sync loop pushes new weights right after the wake: none copied back
+        restored = engines[0].stats()["wake_restored_bytes"]
+        assert (restored == 0) == (loop["mode"] == "sync"), restored
 
 
 def test_a_kv_budget_too_small_for_the_runs_requests_is_refused_at_start(tmp_path):

@@ -35,6 +35,7 @@ class Control:
                 raise RuntimeError(
                     "update_weights: the engine sleeps with its weights offloaded; wake it first"
                 )
+            written: set[int] = set()  # after a lazy wake: what needs no copy from the host
             try:
                 for name, tensor in named_tensors:
                     dst = self._params.get(name)
@@ -54,8 +55,10 @@ class Control:
                             f"the model's is {tuple(dst.shape)}"
                         )
                     dst.copy_(tensor)
+                    written.add(id(dst))
                 self._set_version(version)
             finally:
+                self._weights_in_place(frozenset(written))
                 # The weights may have changed even when nothing was copied (colocated trainer).
                 self._stale_kv = self._stale_kv or self._recompute_kv_on_update
                 self._drop_prefixes()

@@ -173,8 +173,8 @@ class LocalReplicas(FromSubmitMany, SyncControl):
     def sleep_sync(self, offload_weights: bool = False) -> None:
         self._each("sleep_sync", offload_weights)
 
-    def wake_sync(self) -> None:
-        self._each("wake_sync")
+    def wake_sync(self, update_follows: bool = False) -> None:
+        self._each("wake_sync", update_follows)
 
     def check_fits(self, prompt_len: int, n: int, max_new_tokens: int) -> None:
         self.replicas[0].check_fits(prompt_len, n, max_new_tokens)

@@ -19,20 +19,40 @@ __all__ = ["EngineMemory", "OffloadedWeights", "offload_parameters"]
 
 
 class OffloadedWeights:
-    """Host copies of a module's parameters, restored in place by `restore`."""
+    """Host copies of a module's parameters, restored in place by `restore`; `allocate` first gives
+    the parameters their device storage without the values, for a weight update to write."""
 
     def __init__(self, saved: list[tuple[torch.nn.Parameter, torch.Tensor, torch.device]]):
         self._saved = saved
+        self._allocated = False
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t, _ in self._saved)
 
     @torch.no_grad()
-    def restore(self) -> None:
+    def allocate(self) -> None:
+        """Every parameter gets fresh, uninitialised storage of its shape on its device; its values
+        stay in host memory until `restore`."""
         for param, host, device in self._saved:
-            param.data = host.to(device, non_blocking=False)
+            param.data = torch.empty(host.shape, dtype=host.dtype, device=device)
+        self._allocated = True
+
+    @torch.no_grad()
+    def restore(self, skip: frozenset[int] = frozenset()) -> int:
+        """Put the host values back, except into the parameters whose `id` is in `skip` (written
+        since `allocate`); returns the bytes copied."""
+        copied = 0
+        for param, host, device in self._saved:
+            if id(param) in skip:
+                continue
+            if self._allocated:
+                param.data.copy_(host)
+            else:
+                param.data = host.to(device, non_blocking=False)
+            copied += host.numel() * host.element_size()
         self._saved = []
+        return copied
 
 
 @torch.no_grad()
@@ -90,6 +110,7 @@ class EngineMemory:
         with self._exclusive():
             if self._asleep:
                 return
+            self._weights_in_place()
             with self._mu:
                 self._asleep = True
             if self._batch.n:
@@ -109,17 +130,41 @@ class EngineMemory:
             self._static.reset()
         release_cached_memory(self._device, workspaces=workspaces)
 
-    def wake_sync(self) -> None:
-        """Undo `sleep_sync`: weights back in place (the same values), decoding resumes."""
+    def wake_sync(self, update_follows: bool = False) -> None:
+        """Undo `sleep_sync`: weights back in place (the same values), decoding resumes.
+
+        With `update_follows` (a weight update comes next, as after each training step) offloaded
+        weights are not copied back now: the parameters get their device storage, the update
+        writes it, and what it did not write is copied from host memory at its end. Before that,
+        the next decode step, a sleep, `weights_ready` or closing copy back whatever is not
+        written yet, so nothing computes on or hands out a parameter without its values; only
+        code reading the module's parameters directly in between would see them unset."""
         with self._exclusive():
             if self._offloaded is not None:
-                self._offloaded.restore()
+                if update_follows:
+                    self._offloaded.allocate()
+                    self._arriving = self._offloaded
+                else:
+                    self._stats["wake_restored_bytes"] += self._offloaded.restore()
                 self._offloaded = None
             with self._mu:
                 self._asleep = False
 
+    def weights_ready(self) -> None:
+        """Make sure every parameter holds its values (see `wake_sync(update_follows=True)`)."""
+        with self._exclusive():
+            self._weights_in_place()
+
+    def _weights_in_place(self, written: frozenset[int] = frozenset()) -> None:
+        """Copy back what a lazy wake left in host memory, but the parameters in `written` (by
+        `id`); the caller holds the step lock."""
+        if self._arriving is not None:
+            arriving, self._arriving = self._arriving, None
+            with torch.inference_mode(False):
+                self._stats["wake_restored_bytes"] += arriving.restore(written)
+
     async def sleep(self, offload_weights: bool = False) -> None:
         await asyncio.to_thread(self.sleep_sync, offload_weights)
 
-    async def wake(self) -> None:
-        await asyncio.to_thread(self.wake_sync)
+    async def wake(self, update_follows: bool = False) -> None:
+        await asyncio.to_thread(self.wake_sync, update_follows)

@@ -351,8 +351,8 @@ class ProcessEngine(FromSubmitMany, SyncControl):
     def sleep_sync(self, offload_weights: bool = False) -> None:
         self._call("sleep_sync", offload_weights)
 
-    def wake_sync(self) -> None:
-        self._call("wake_sync")
+    def wake_sync(self, update_follows: bool = False) -> None:
+        self._call("wake_sync", update_follows)
 
     def check_fits(self, prompt_len: int, n: int, max_new_tokens: int) -> None:
         self._call("check_fits", prompt_len, n, max_new_tokens)

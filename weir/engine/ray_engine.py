@@ -113,8 +113,8 @@ class EngineWorker:
     async def sleep(self, offload_weights: bool = False) -> None:
         await self.engine.sleep(offload_weights)
 
-    async def wake(self) -> None:
-        await self.engine.wake()
+    async def wake(self, update_follows: bool = False) -> None:
+        await self.engine.wake(update_follows)
 
     async def close(self) -> None:
         self.engine.close()

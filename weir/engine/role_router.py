@@ -135,19 +135,20 @@ class RoleRouter(SyncControl):
             e.close()
 
     @contextmanager
-    def asleep(self) -> Iterator[None]:
+    def asleep(self, update_follows: bool = False) -> Iterator[None]:
         """With engine.sleep_while_training, every role's built-in engine frees its KV cache (and
         its weights when `offload_weights[role]`: an engine holding its own copy) until the block
         ends, also on error; an engine that decides itself (a router of Ray replicas, a server
-        engine: their own `asleep`) does as it decides. Otherwise nothing happens."""
+        engine: their own `asleep`) does as it decides. Otherwise nothing happens.
+        `update_follows`: a weight update comes right after (`EngineMemory.wake_sync`)."""
         with ExitStack() as stack:
             for role, e in self.engines.items():
                 own = getattr(e, "asleep", None)
                 if own is not None:
-                    stack.enter_context(own())
+                    stack.enter_context(own(update_follows))
                 elif self.sleep_while_training:
                     e.sleep_sync(offload_weights=self.offload_weights.get(role, False))
-                    stack.callback(e.wake_sync)
+                    stack.callback(e.wake_sync, update_follows)
             yield
 
     def stats(self) -> dict[str, float]:

@@ -215,11 +215,13 @@ class Router(SyncControl):
         memory) until `wake_sync`."""
         self._each("sleep", offload_weights)
 
-    def wake_sync(self) -> None:
-        self._each("wake")
+    def wake_sync(self, update_follows: bool = False) -> None:
+        """Every replica wakes; with `update_follows` offloaded weights wait for the weight update
+        that comes next (weir.engine.memory.EngineMemory.wake_sync)."""
+        self._each("wake", update_follows)
 
     @contextlib.contextmanager
-    def asleep(self) -> Iterator[None]:
+    def asleep(self, update_follows: bool = False) -> Iterator[None]:
         """With `sleep_mode` (colocated replicas): asleep for the block (the trainer trains on
         their devices), awake after it, also on error. Without it: nothing happens."""
         if not self.sleep_mode:
@@ -229,7 +231,7 @@ class Router(SyncControl):
         try:
             yield
         finally:
-            self.wake_sync()
+            self.wake_sync(update_follows)
 
     async def resume(self) -> None:
         await asyncio.to_thread(self.resume_sync)  # a Ray call to every replica: it waits

@@ -284,9 +284,10 @@ class ServerEngine(Recovery, WeightUpdates):
         self.version = state["version"]
 
     @contextlib.contextmanager
-    def asleep(self) -> Iterator[None]:
+    def asleep(self, update_follows: bool = False) -> Iterator[None]:
         """With `sleep_mode`: the servers release their memory for the block (colocated training),
-        then wake. Without it: nothing happens."""
+        then wake. Without it: nothing happens. (`update_follows` is for the built-in engine: a
+        server wakes as its own sleep mode does.)"""
         if not self.sleep_mode:
             yield
             return

@@ -262,6 +262,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
         self._last_busy = time.monotonic()
         self._asleep = False
         self._offloaded: OffloadedWeights | None = None
+        self._arriving: OffloadedWeights | None = None  # a lazy wake's values still on the host
 
         self._rng = random.Random(seed)
         self._mu = threading.Lock()  # guards the pending queue and the flags below
@@ -285,6 +286,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             "admitted": 0,
             "decode_steps": 0,
             "busy_s": 0.0,
+            "wake_restored_bytes": 0,  # offloaded weights copied back (not written by an update)
             # a new thread starts on the creating thread's count, so this is what decodes
             "threads": float(num_threads or torch.get_num_threads()),
         }
@@ -482,6 +484,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
                 if self._offloaded is not None:  # closed asleep: the model gets its weights back
                     self._offloaded.restore()
                     self._offloaded = None
+                self._weights_in_place()
                 if died is None:
                     self._abort_all()
                 else:  # never leave a caller waiting
@@ -536,6 +539,7 @@ class TorchEngine(Admission, Decoding, Scheduling, EngineMemory, Control, SyncCo
             self._cond.wait()
 
     def _iteration(self) -> None:
+        self._weights_in_place()  # after a lazy wake that no update followed (yet)
         if self._cancelled:
             self._drop_cancelled()
         if self._stale_kv:

@@ -14,17 +14,24 @@ from weir.engine.process_engine import ProcessEngine
 
 @contextmanager
 def engine_asleep(
-    cfg: Config, engine: object, trainer_model: object, when: bool = True
+    cfg: Config,
+    engine: object,
+    trainer_model: object,
+    when: bool = True,
+    *,
+    update_follows: bool = False,
 ) -> Iterator[None]:
     """Within the block the built-in engine holds no KV cache (and, with
     engine.sleep_offload_weights, no weights when they are its own copy, not `trainer_model`); a
     server engine with engine.sleep_mode releases its memory (vLLM sleep, SGLang
-    release_memory_occupation). Either wakes on exit, also on error. Other engines (Ray replicas
-    behind a router) are left as they are."""
+    release_memory_occupation), a router of Ray replicas does as its `asleep` decides. Each wakes
+    on exit, also on error. `update_follows` (the caller pushes new weights right after the block):
+    offloaded weights are not copied back at the wake, the update writes them
+    (weir.engine.memory.EngineMemory.wake_sync)."""
     server_asleep = getattr(engine, "asleep", None)
     builtin = isinstance(engine, (TorchEngine, ProcessEngine, LocalReplicas))
     if when and server_asleep is not None and not builtin:
-        with server_asleep():
+        with server_asleep(update_follows):
             yield
         return
     if not (when and cfg.engine.sleep_while_training and builtin):
@@ -35,7 +42,7 @@ def engine_asleep(
     try:
         yield
     finally:
-        engine.wake_sync()
+        engine.wake_sync(update_follows)
 
 
 def check_kv_budget(cfg: Config, engine: TorchEngine) -> None:

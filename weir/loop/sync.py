@@ -55,7 +55,7 @@ def run_sync(
             if batch is None:  # every group filtered out or failed: nothing to learn from
                 run.log(step, gen, {"train/empty_steps": 1.0})
                 continue
-            with engine_asleep(cfg, parts.engine, parts.model):
+            with engine_asleep(cfg, parts.engine, parts.model, update_follows=True):
                 stats = parts.trainer.train(batch, critic=parts.critic)
             sync = push_weights(parts, run.bump_version())
             evals = eval_metrics(parts) if run.should_eval(step) else {}

@@ -486,11 +486,19 @@ class SyncEngineWorker(EngineWorker):
         _, state = await asyncio.to_thread(DiskStore(root).read, version)
         await self.update_weights(state, version)
 
+    async def _weights_ready(self) -> None:
+        """Parameters a lazy wake left unset get their values first (EngineMemory.wake_sync)."""
+        ready = getattr(self.engine, "weights_ready", None)
+        if ready is not None:
+            await asyncio.to_thread(ready)
+
     async def state(self) -> dict[str, torch.Tensor]:
         """This replica's weights (host copies), to give a restarted peer the current version."""
+        await self._weights_ready()
         return {k: v.detach().to("cpu") for k, v in self.engine.model.state_dict().items()}
 
     async def weights_hash(self, names: list[str] | None = None) -> str:
+        await self._weights_ready()
         return weights_hash(self.engine.model.state_dict(), names)
 
     async def memory(self) -> dict[str, int]:
