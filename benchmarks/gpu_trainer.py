@@ -11,31 +11,28 @@ uniform in `--prompt-len`.
 
 What it measures, per shape (each shape an equal share of the budget left), in this order (each
 part is skipped, and said so, when `--budget-s` would be exceeded; what was measured is still
-printed and written):
+printed and written). Every configuration runs on a fresh model (a fused route changes its model
+for good, and only one model is on the device at a time):
 
-- main: the default config (`train.packing=auto`, checkpointing off): one untimed warm-up step
-  (printed: it pays CUDA's lazy loading, cuBLAS heuristics, allocator growth, AdamW's state and
-  any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU; the
-  layout `auto` ran (read after the steps: it is chosen per step), its candidates and the cost
-  model's price of each against the cheapest for this batch;
+- main: the default config (`train.packing=auto`, checkpointing off, and on CUDA a bf16 compute
+  copy with compiled decoder layers, `train.mixed_precision` / `train.fuse` `auto`): one untimed
+  warm-up step (printed: it pays CUDA's lazy loading, cuBLAS heuristics, allocator growth, AdamW's
+  state and any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU;
+  the layout `auto` ran (read after the steps: it is chosen per step), its candidates and the cost
+  model's price of each against the cheapest for this batch; the fused route, whether a compute
+  copy ran, and the micro-batch budget after `train.memory`;
 - profile: one warm step under torch.profiler: the top CUDA kernels and their share of the step;
-- fuse_compile: the main config with `train.fuse=compile`, on a fresh model (it compiles the
-  model's layers in place);
-- layouts: tokens/s of each micro-batch layout (`padded`, `prefix`, `packed`, and `varlen` where
-  this weir has it: detected by name in `train.packing`'s choices) but the one main ran;
-- fixed: the main config on equal response lengths;
-- head: the main config with the reference log-prob/entropy functions instead of the fused kernel
-  (where `train.logprob_kernel` exists);
-- checkpointing: the main config with `train.gradient_checkpointing=true`.
+- variants (`--variants`): the main config with other `train` settings (`VARIANTS`: the old
+  defaults `autocast_off`, `copy_off`, `copy_liger`, `copy_compile`, with `train.memory: plan`,
+  ...), a route that cannot run here skipped; `--profile-variants` profiles a step of some;
+- the older parts `--parts` names: `layouts` (each micro-batch layout but the one main ran),
+  `fixed` (equal response lengths), `head` (the reference log-prob/entropy functions instead of
+  the fused kernel), `checkpointing` (`train.gradient_checkpointing=true`);
 - once: the LM-head statistics alone on `--head-rows` x V bfloat16 logits (forward + backward), each
   kernel against the reference functions: time, peak memory, largest differences.
 
-Then, after every shape and the Ray part, `fuse_liger` of each shape (the main config with
-`train.fuse=liger` on a fresh model), out of the share of that shape's budget kept for it: Liger
-0.8 replaces the transformers modeling module's classes and RoPE function for the whole process,
-so before weir scoped it to the trainer's modules (weir.train.liger_scope) every model built after
-it ran partly on Liger's kernels. Each run records whether a Liger patch was live in the process
-(`liger_in_process`).
+Each run records whether a Liger patch was live in the process (`liger_in_process`: Liger replaces
+module-wide classes, which weir.train.liger_scope puts back).
 
 MFU, against the dense bf16 peak of the GPU (989 TFLOP/s for H100/H200), three ways:
 

@@ -100,7 +100,8 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
         assert all(len(t) > 0 for g in again for t in g)
         assert ray.get(engine.memory.remote())["kv"] > 0
 
-        with router.asleep():
+        restored = ray.get(engine.stats.remote())["wake_restored_bytes"]
+        with router.asleep(update_follows=True):  # as the sync loop: the weights come by the sync
             stats = trainer.train(make_batch(toy_groups(), version=0))
         assert stats["train/grad_norm"] > 0
         # after the step the rank keeps its float32 parameters (not the AdamW state, not the
@@ -125,6 +126,8 @@ def test_one_gpu_colocated_ray_sleeps_offloads_and_syncs_by_ipc(ray_local, half_
         want = trainer.call("weights_hash", "bfloat16")[0]
         assert ray.get(engine.weights_hash.remote(None)) == want
         assert ray.get(engine.version.remote()) == 3
+        # the sync wrote every parameter the lazy wake left unset: none was copied back
+        assert ray.get(engine.stats.remote())["wake_restored_bytes"] == restored
         if os.environ.get("GPU_CHECK_OUT"):  # scripts/gpu_check.sh keeps the figures
             figures = {
                 "device": torch.cuda.get_device_name(0),

@@ -241,3 +241,40 @@ def test_non_finite_values_drop_their_sample_and_a_non_finite_forward_skips_the_
     stats = critic.train(batch, values, values, mask)
     assert stats["critic/skipped_updates"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, critic.model.parameters(), strict=True))
+
+
+def test_a_sharded_critic_trains_its_float32_shards_when_a_compute_copy_is_asked_for(
+    tiny_model_dir,
+):
+    """On CUDA `train.mixed_precision: auto` asks for a compute copy. An FSDP2 critic (every critic
+    on Ray) must not take one: FSDP2 casts its own shards, and a copy swapped in before its first
+    forward would become the parameter it gathers. Forced here on a CPU (bf16 compute, one gloo
+    rank): the critic computes under autocast over FSDP2, its float32 shards move and the value
+    error falls."""
+    import torch.distributed as dist
+
+    from weir.train.distributed import free_port
+    from weir.train.sharded_critic import ShardedCritic
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        cfg = _cfg("train.compute_dtype=bfloat16", "train.mixed_precision=compute_copy")
+        lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        critic = ShardedCritic(value_model_from(lm, share=False), CriticSettings.from_config(cfg))
+        assert critic._copy is None
+        head = critic.model.head.weight
+        assert head.dtype == torch.float32
+        before = head.full_tensor().clone()
+        batch = make_batch(toy_groups(), version=0)
+        mask = batch.response_mask.bool()
+        returns = batch.rewards[:, None].expand_as(mask) * mask
+        errors = []
+        for _ in range(8):
+            old, m, _ = critic.values(batch, batch.response_mask)
+            errors.append(critic.train(batch, old, returns, m)["critic/value_error"])
+        assert not torch.equal(head.full_tensor(), before)
+        assert errors[-1] < 0.7 * errors[0], errors
+    finally:
+        dist.destroy_process_group()

@@ -92,7 +92,7 @@ def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(monkeyp
     assert got.reason.startswith("compile off: no C compiler on PATH")
 
 
-def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(monkeypatch):
+def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(monkeypatch, caplog):
     """`auto` fuses only what was measured faster on a GPU: a whole model in one process. An FSDP2
     rank (compiling took 61 s on an H100 for no faster step) and a LoRA model (no route checked on
     a GPU) stay unfused, and the reason says how to ask for a route; asked for, a route runs."""
@@ -114,6 +114,9 @@ def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(monkeypatch):
     assert (
         got.route == "off" and "LoRA" in got.reason and "train.fuse=liger or compile" in got.reason
     )
+    with caplog.at_level(logging.INFO, logger=fuse.__name__):  # the default: said, not warned
+        apply_fusion("auto", lora, CUDA)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
     assert choose_fusion("compile", lora, CUDA).route == "compile"
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1

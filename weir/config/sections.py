@@ -350,10 +350,11 @@ class TrainConfig(Section):
     `micro_batch_tokens` (the largest power of two from 4096 to 65536 that fits) at start-up from a
     memory model of the activations per token and the free GPU memory; logged. `fixed`: as set."""
     fuse: Annotated[Literal["auto", "liger", "compile", "off"], BeforeValidator(_off)] = "auto"
-    """Fused element-wise kernels in the decoder (RMSNorm, RoPE, SiLU x up): `liger` (Liger's Triton
-    kernels, CUDA, `weir[liger]`), `compile` (regional torch.compile of each decoder layer; needs a
-    C compiler), `auto` (liger where it applies, else compile, on CUDA; off on a CPU), `off`. A
-    route that cannot run falls back to the next and says so once (docs/trainer-step.md)."""
+    """Fused element-wise kernels in the decoder (RMSNorm, RoPE, SiLU x up): `compile` (regional
+    torch.compile of each decoder layer; needs a C compiler), `liger` (Liger's Triton kernels, CUDA,
+    `weir[liger]`), `auto` (compile where it can run, else liger, on CUDA; off on a CPU, an FSDP2
+    rank and a LoRA model), `off`. A route that cannot run falls back to the next and says so once
+    (docs/trainer-step.md)."""
 
 
 class CriticConfig(Section):

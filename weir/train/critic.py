@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import FSDPModule
 
 from weir import algo
 from weir.config import Config
@@ -178,10 +179,11 @@ class Critic:
             asked.copy,
         )
         # train.mixed_precision=compute_copy: as the actor (a shared backbone is copied for the
-        # critic's passes, outside the actor's)
+        # critic's passes, outside the actor's). Not on an FSDP2 model: FSDP2 casts its shards
+        # itself, and a copy swapped in before its first forward would become what it gathers
         self._copy = (
             ComputeCopy(model, self.precision.compute_dtype)
-            if self.precision.mixed and self.precision.copy
+            if self.precision.mixed and self.precision.copy and not isinstance(model, FSDPModule)
             else None
         )
         self.device = p.device

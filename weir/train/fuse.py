@@ -145,9 +145,10 @@ def apply_fusion(
             # `Module.compile`: a deep copy of the model (the reference policy, an engine's copy)
             # is left uncompiled, where a compiled bound `forward` would run the original's
             layer.compile(**COMPILE_OPTIONS)
-    asked_for_more = mode not in ("off", fusion.route) and not (
-        mode == "auto" and device.type != "cuda"
-    )
+    if quiet:
+        return fusion
+    held_off = mode == "auto" and (device.type != "cuda" or _auto_holds_off(model) is not None)
+    asked_for_more = mode not in ("off", fusion.route) and not held_off
     (log.warning if asked_for_more else log.info)(
         "train.fuse: %s (%s)", fusion.route, fusion.reason
     )
