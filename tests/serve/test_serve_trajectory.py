@@ -97,7 +97,12 @@ def test_cut_at_stop_keeps_the_fewest_tokens_containing_the_first_stop(text, sto
     assert (keep, before) == (first_k, text[:start])
 
 
-ASCII = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=12)
+# Text without the tokenizer's special-token markers: a reply whose text spells `<|end|>` is
+# tokenized to the end-of-turn id, so "the same conversation tokenized afresh" is ambiguous there
+# (hypothesis found it in a CI-sized run; real chat templates share the ambiguity).
+ASCII = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=12).filter(
+    lambda s: "<|" not in s
+)
 
 
 @settings(max_examples=40, deadline=None)
