@@ -139,6 +139,10 @@ def test_pause_abort_drain_sleep_close_reach_every_engine_and_stats_add_up():
             "wake_sync",
             "close",
         ]
+    assert b.events[-2] == "wake_sync{'update_follows': False}"
+    with router.asleep(update_follows=True):  # the sync loop: new weights follow the wake
+        pass
+    assert b.events[-1] == "wake_sync{'update_follows': True}"
     quiet = RoleRouter({"a": FakeEngine(1)})
     with quiet.asleep():  # engine.sleep_while_training off: nothing sleeps
         pass

@@ -148,7 +148,7 @@ class RoleRouter(SyncControl):
                     stack.enter_context(own(update_follows))
                 elif self.sleep_while_training:
                     e.sleep_sync(offload_weights=self.offload_weights.get(role, False))
-                    stack.callback(e.wake_sync, update_follows)
+                    stack.callback(e.wake_sync, update_follows=update_follows)
             yield
 
     def stats(self) -> dict[str, float]:
