@@ -75,9 +75,9 @@ def test_the_chain_on_a_gpu_without_liger_or_triton(monkeypatch):
     assert "not checked on 'gemma2'" in choose_fusion("liger", model, CUDA).reason
 
 
-def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(monkeypatch):
-    """Measured on an H200 (docs/dev/gpu-runs.md): compiled layers are faster than Liger's
-    kernels at both Qwen2.5 shapes, so `auto` compiles where a C compiler and Triton are there."""
+@pytest.fixture
+def every_route_installed(monkeypatch):
+    """liger-kernel and Triton importable, a C compiler on PATH (what a GPU machine has)."""
     real = fuse.importlib.util.find_spec
     monkeypatch.setattr(
         fuse.importlib.util,
@@ -85,6 +85,13 @@ def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(monkeyp
         lambda name: object() if name in ("liger_kernel", "triton") else real(name),
     )
     monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
+
+
+def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(
+    every_route_installed, monkeypatch
+):
+    """Measured on an H200 (docs/dev/gpu-runs.md): compiled layers are faster than Liger's
+    kernels at both Qwen2.5 shapes, so `auto` compiles where a C compiler and Triton are there."""
     assert choose_fusion("auto", _model(), CUDA).route == "compile"
     monkeypatch.setattr(fuse.shutil, "which", lambda name: None)
     got = choose_fusion("auto", _model(), CUDA)
@@ -92,7 +99,7 @@ def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(monkeyp
     assert got.reason.startswith("compile off: no C compiler on PATH")
 
 
-def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(monkeypatch, caplog):
+def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(every_route_installed, caplog):
     """`auto` fuses only what was measured faster on a GPU: a whole model in one process. An FSDP2
     rank (compiling took 61 s on an H100 for no faster step) and a LoRA model (no route checked on
     a GPU) stay unfused, and the reason says how to ask for a route; asked for, a route runs."""
@@ -102,13 +109,6 @@ def test_auto_leaves_an_fsdp2_rank_and_a_lora_model_unfused(monkeypatch, caplog)
 
     from weir.train.distributed import free_port
 
-    real = fuse.importlib.util.find_spec
-    monkeypatch.setattr(
-        fuse.importlib.util,
-        "find_spec",
-        lambda name: object() if name in ("liger_kernel", "triton") else real(name),
-    )
-    monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
     lora = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     got = choose_fusion("auto", lora, CUDA)
     assert (

@@ -49,6 +49,8 @@ class Fusion:
 
     route: str
     reason: str
+    held: bool = False
+    """`auto` chose to fuse nothing here (a CPU, an FSDP2 rank, a LoRA model): not a fallback."""
 
 
 def c_compiler() -> str | None:
@@ -99,7 +101,7 @@ def _auto_holds_off(model: torch.nn.Module) -> str | None:
             "an FSDP2 rank (on one H100 neither route made its step faster, and compiling took "
             "61 s); set train.fuse=liger or compile to use one"
         )
-    if callable(getattr(model, "get_base_model", None)):
+    if _unwrapped(model) is not model:
         return (
             "a LoRA (peft) model (no route checked on a GPU yet); set train.fuse=liger or compile"
         )
@@ -111,9 +113,9 @@ def choose_fusion(mode: str, model: torch.nn.Module, device: torch.device) -> Fu
     if mode == "off":
         return Fusion("off", "train.fuse=off")
     if mode == "auto" and device.type != "cuda":
-        return Fusion("off", "a CPU: compiling the layers costs minutes, more than it saves")
+        return Fusion("off", "a CPU: compiling the layers costs minutes, more than it saves", True)
     if mode == "auto" and (held := _auto_holds_off(model)) is not None:
-        return Fusion("off", f"train.fuse=auto: {held}")
+        return Fusion("off", f"train.fuse=auto: {held}", True)
     order = {
         "auto": ["compile", "liger"],
         "liger": ["liger", "compile"],
@@ -147,8 +149,7 @@ def apply_fusion(
             layer.compile(**COMPILE_OPTIONS)
     if quiet:
         return fusion
-    held_off = mode == "auto" and (device.type != "cuda" or _auto_holds_off(model) is not None)
-    asked_for_more = mode not in ("off", fusion.route) and not held_off
+    asked_for_more = mode not in ("off", fusion.route) and not fusion.held
     (log.warning if asked_for_more else log.info)(
         "train.fuse: %s (%s)", fusion.route, fusion.reason
     )
