@@ -134,6 +134,9 @@ def head_bench(vocab: int, rows: int, device: torch.device, repeat: int) -> dict
     kernels = ["reference"]
     if hasattr(E, "token_logprobs_and_entropy"):
         kernels += ["eager"] + (["compiled"] if E.compile_status(device) == "available" else [])
+    triton = getattr(E, "logprob_triton", None)  # absent before the Triton kernels
+    if triton is not None and triton.triton_status(device) == "available":
+        kernels.append("triton")
 
     def run(kernel: str):
         logits = base.clone().requires_grad_(True)

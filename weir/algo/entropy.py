@@ -18,6 +18,8 @@ that reads the device. Its chunk functions are plain tensor code; on CUDA, where
 C compiler are there, they run `torch.compile`d (`kernel="auto"`), which fuses each chunk's
 upcast, reductions and gradient into a few kernels that read the bfloat16 logits instead of
 materialising float32 temporaries (about 10 bytes per logit element against about 144).
+``kernel="triton"`` runs two hand-written Triton kernels instead (`weir.algo.logprob_triton`): one
+launch over all the rows for the forward, one for the backward, each logit read once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import logprob_triton
 from ._checks import check_float_tensor, check_positive, check_shape, check_tensor
 
 __all__ = [
@@ -229,7 +232,8 @@ def logprobs_from_logits(
 # -- the trainer's fused pass ----------------------------------------------------------------------
 
 EntropyMode = Literal["none", "value", "grad"]
-Kernel = Literal["auto", "compiled", "eager"]
+Kernel = Literal["auto", "compiled", "eager", "triton"]
+KERNELS = ("auto", "compiled", "eager", "triton")
 
 
 def _stats_chunk(x: Tensor, ids: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, ...]:
@@ -355,6 +359,60 @@ def _call(fn: Callable[..., Any], compiled: bool, *args: Any) -> Any:
         return fn(*args)
 
 
+_triton_failure: list[str] = []  # why the Triton kernels failed once in this process
+
+
+def _triton(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` (a Triton launch: `logprob_triton`), or None once they failed in this process:
+    a compile or launch failure (not an out-of-memory) is logged once, and the chunks run from
+    then on. In the interpreter (tests) it is raised: a bug must not hide behind the chunks."""
+    if _triton_failure:
+        return None
+    try:
+        return fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any Triton error: the chunks compute the same
+        if logprob_triton.interpreting():
+            raise
+        _triton_failure.append(f"{type(err).__name__}: {str(err)[:200]}")
+        log.warning(
+            "the Triton log-prob kernels failed (%s); using the chunked kernels from now on",
+            _triton_failure[0],
+        )
+        return None
+
+
+def _chunked_stats(
+    logits: Tensor, ids: Tensor, chunk_size: int, temperature: float, entropy: bool, compiled: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """m, log s, the log-probs and (with `entropy`) H of every row, `_stats_chunk` by chunks."""
+    n = logits.shape[0]
+    dtype = _compute_dtype(logits)
+    m, log_s, logp = (torch.empty(n, dtype=dtype, device=logits.device) for _ in range(3))
+    h = torch.empty(n, dtype=dtype, device=logits.device) if entropy else None
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        part = _call(_stats_chunk, compiled, logits[s:e], ids[s:e], temperature, entropy)
+        m[s:e], log_s[s:e], logp[s:e] = part[0], part[1], part[2]
+        if h is not None:
+            h[s:e] = part[3]
+    return m, log_s, logp, h
+
+
+def _chunked_grad(args: tuple[Any, ...], chunk_size: int, compiled: bool) -> Tensor:
+    """The gradient of all rows, `_grad_chunk` by chunks, from `args` = (logits, ids, m, log s,
+    H, g_logp, g_H, T) (H's term only with g_H)."""
+    logits, ids, m, log_s, h, g_logp, g_h, temperature = args
+    grad = torch.empty_like(logits)
+    for s in range(0, logits.shape[0], chunk_size):
+        e = min(s + chunk_size, logits.shape[0])
+        hs, g_hs = (None, None) if g_h is None or h is None else (h[s:e], g_h[s:e])
+        rows = (logits[s:e], ids[s:e], m[s:e], log_s[s:e], hs, g_logp[s:e], g_hs)
+        _call(_grad_chunk, compiled, *rows, temperature, grad[s:e], not compiled)
+    return grad
+
+
 class _FusedStats(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -365,19 +423,16 @@ class _FusedStats(torch.autograd.Function):
         temperature: float,
         entropy: EntropyMode,
         compiled: bool,
+        triton: bool,
     ) -> tuple[Tensor, Tensor]:
-        n = logits.shape[0]
-        dtype = _compute_dtype(logits)
-        m, log_s, logp = (torch.empty(n, dtype=dtype, device=logits.device) for _ in range(3))
-        h = torch.empty(n if entropy != "none" else 0, dtype=dtype, device=logits.device)
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            part = _call(
-                _stats_chunk, compiled, logits[s:e], ids[s:e], temperature, entropy != "none"
-            )
-            m[s:e], log_s[s:e], logp[s:e] = part[0], part[1], part[2]
-            if entropy != "none":
-                h[s:e] = part[3]
+        with_h = entropy != "none"
+        out = _triton(logprob_triton.stats, logits, ids, temperature, with_h) if triton else None
+        ctx.triton = out is not None
+        if out is None:
+            out = _chunked_stats(logits, ids, chunk_size, temperature, with_h, compiled)
+        m, log_s, logp, h = out
+        if h is None:
+            h = torch.empty(0, dtype=logp.dtype, device=logits.device)
         ctx.save_for_backward(logits, ids, m, log_s, h if entropy == "grad" else None)
         ctx.chunk_size, ctx.temperature, ctx.compiled = chunk_size, temperature, compiled
         ctx.set_materialize_grads(False)
@@ -392,28 +447,14 @@ class _FusedStats(torch.autograd.Function):
         if h is None:
             g_h = None
         if g_logp is None and g_h is None:
-            return (None,) * 6
+            return (None,) * 7
         if g_logp is None:
             g_logp = torch.zeros_like(m)
-        grad = torch.empty_like(logits)
-        n = logits.shape[0]
-        for s in range(0, n, ctx.chunk_size):
-            e = min(s + ctx.chunk_size, n)
-            _call(
-                _grad_chunk,
-                ctx.compiled,
-                logits[s:e],
-                ids[s:e],
-                m[s:e],
-                log_s[s:e],
-                None if g_h is None else h[s:e],
-                g_logp[s:e],
-                None if g_h is None else g_h[s:e],
-                ctx.temperature,
-                grad[s:e],
-                not ctx.compiled,
-            )
-        return grad, None, None, None, None, None
+        args = (logits, ids, m, log_s, h, g_logp, g_h, ctx.temperature)
+        grad = _triton(logprob_triton.grad, *args) if ctx.triton else None
+        if grad is None:
+            grad = _chunked_grad(args, ctx.chunk_size, ctx.compiled)
+        return (grad,) + (None,) * 6
 
 
 def token_logprobs_and_entropy(
@@ -445,6 +486,10 @@ def token_logprobs_and_entropy(
         kernel: ``"eager"`` runs the chunk functions as they are; ``"compiled"`` runs them through
             `torch.compile` (CUDA with Triton and a C compiler: `compile_status`); ``"auto"``
             compiles where `compile_status` says it can. A compiler error falls back to eager.
+            ``"triton"``: the two Triton kernels of `weir.algo.logprob_triton` over all rows at
+            once, no chunks (`chunk_size` unused; where `triton_status` says so: CUDA with a C
+            compiler, or TRITON_INTERPRET=1); float64 logits, and every call after a Triton
+            compile or launch failure (logged once), run the chunks as ``"auto"`` would.
 
     Returns:
         (log-probs, entropy or None), shaped as `token_ids`, float32 (float64 for float64 logits).
@@ -461,14 +506,17 @@ def token_logprobs_and_entropy(
     temperature = check_positive("temperature", temperature)
     if entropy not in ("none", "value", "grad"):
         raise ValueError(f"entropy: expected 'none', 'value' or 'grad', got {entropy!r}")
-    if kernel not in ("auto", "compiled", "eager"):
-        raise ValueError(f"kernel: expected 'auto', 'compiled' or 'eager', got {kernel!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     status = compile_status(logits.device)
     if kernel == "compiled" and status != "available":
         raise ValueError(f"kernel='compiled': {status}; use kernel='auto' or 'eager'")
+    if kernel == "triton" and (why := logprob_triton.triton_status(logits.device)) != "available":
+        raise ValueError(f"kernel='triton': {why}; use kernel='auto' or 'eager'")
     compiled = kernel != "eager" and status == "available"
+    triton = kernel == "triton" and logits.dtype in logprob_triton.DTYPES
     flat = logits.reshape(-1, logits.shape[-1])
     ids = token_ids.reshape(-1).long()
-    logp, h = _FusedStats.apply(flat, ids, chunk_size, temperature, entropy, compiled)
+    logp, h = _FusedStats.apply(flat, ids, chunk_size, temperature, entropy, compiled, triton)
     shape = token_ids.shape
     return logp.reshape(shape), None if entropy == "none" else h.reshape(shape)

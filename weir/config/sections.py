@@ -325,12 +325,13 @@ class TrainConfig(Section):
     logprob_chunk_tokens: int = Field(256, ge=1)
     """Response tokens per chunk of the log-prob / entropy computation: at most this many rows of
     vocabulary-sized float32 temporaries exist at once."""
-    logprob_kernel: Literal["auto", "compiled", "eager", "reference"] = "auto"
+    logprob_kernel: Literal["auto", "compiled", "eager", "triton", "reference"] = "auto"
     """How the log-probs and entropy are computed from the logits: one fused pass per chunk, run
     through `torch.compile` (`compiled`: CUDA with Triton and a C compiler) or as plain tensor code
-    (`eager`); `auto` compiles where it can, else runs eager; `reference` runs the two separate
-    reference functions (slower; for checking). All give the same numbers up to float rounding
-    (docs/trainer-step.md)."""
+    (`eager`); `auto` compiles where it can, else runs eager; `triton`: two hand-written Triton
+    kernels over all the rows at once, no chunks (CUDA with a C compiler, or TRITON_INTERPRET=1);
+    `reference` runs the two separate reference functions (slower; for checking). All give the
+    same numbers up to float rounding (docs/trainer-step.md)."""
     dead_rows: Literal["skip", "forward"] = "skip"
     """Rows whose gradient is exactly zero (every trained token has advantage 0: a GRPO group of
     equal rewards, a masked-out sample; built-in losses without entropy bonus or KL-in-loss only):

@@ -14,26 +14,30 @@ from torch.nn.utils.rnn import pad_sequence
 
 from weir.algo import entropy_from_logits, logprobs_from_logits
 from weir.algo.entropy import compile_status, token_logprobs_and_entropy
+from weir.algo.logprob_triton import triton_status
 
-KERNELS = ("auto", "compiled", "eager", "reference")
+KERNELS = ("auto", "compiled", "eager", "triton", "reference")
 _kernel: ContextVar[str] = ContextVar("weir_logprob_kernel", default="auto")
 
 
 def check_kernel(name: str, device: torch.device) -> None:
-    """Refuse `train.logprob_kernel=compiled` up front where it cannot compile (one line, why)."""
-    status = compile_status(device)
-    if name == "compiled" and status != "available":
+    """Refuse `train.logprob_kernel=compiled` (or `triton`) up front where it cannot compile
+    (or launch its Triton kernels): one line, why."""
+    if name not in ("compiled", "triton"):
+        return
+    status = compile_status(device) if name == "compiled" else triton_status(device)
+    if status != "available":
         raise ValueError(
-            f"train.logprob_kernel=compiled on {device}: {status}; use train.logprob_kernel=auto"
+            f"train.logprob_kernel={name} on {device}: {status}; use train.logprob_kernel=auto"
         )
 
 
 @contextlib.contextmanager
 def logprob_kernel(name: str) -> Iterator[None]:
     """`token_stats` within the block computes with kernel `name` (`train.logprob_kernel`):
-    `auto`, `compiled` or `eager` (`weir.algo.token_logprobs_and_entropy`), or `reference` (the two
-    separate functions, `logprobs_from_logits` and `entropy_from_logits`). The actor sets it around
-    its forwards, so the layouts need not pass it down."""
+    `auto`, `compiled`, `eager` or `triton` (`weir.algo.token_logprobs_and_entropy`), or
+    `reference` (the two separate functions, `logprobs_from_logits` and `entropy_from_logits`). The
+    actor sets it around its forwards, so the layouts need not pass it down."""
     if name not in KERNELS:
         raise ValueError(f"train.logprob_kernel: unknown kernel {name!r}; choose one of {KERNELS}")
     token = _kernel.set(name)
