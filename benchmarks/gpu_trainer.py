@@ -15,9 +15,11 @@ printed and written). Every configuration runs on a fresh model (a fused route c
 for good, and only one model is on the device at a time):
 
 - main: the default config (`train.packing=auto`, checkpointing off, and on CUDA a bf16 compute
-  copy with compiled decoder layers, `train.mixed_precision` / `train.fuse` `auto`): one untimed
-  warm-up step (printed: it pays CUDA's lazy loading, cuBLAS heuristics, allocator growth, AdamW's
-  state and any compile), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU;
+  copy with compiled decoder layers, `train.mixed_precision` / `train.fuse` `auto`): `--warmup`
+  untimed steps (printed: the first pays CUDA's lazy loading, cuBLAS heuristics, allocator growth,
+  AdamW's state and any compile; on the H100 on 2026-11-27 the step after one warm-up step was
+  still 13-17% slower than the next two, so two by default: a long run's steps are what the
+  targets are about), then `--steps` steps timed with CUDA events; tokens/s, peak memory, MFU;
   the layout `auto` ran (read after the steps: it is chosen per step), its candidates and the cost
   model's price of each against the cheapest for this batch; the fused route, whether a compute
   copy ran, and the micro-batch budget after `train.memory`;
@@ -58,6 +60,7 @@ Prints as it goes and writes every figure as JSON to `--out`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -66,6 +69,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any, get_args
@@ -104,6 +108,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "copy_compile": {"mixed_precision": "compute_copy", "fuse": "compile"},
     "copy_liger_plan": {"mixed_precision": "compute_copy", "fuse": "liger", "memory": "plan"},
     "copy_compile_plan": {"mixed_precision": "compute_copy", "fuse": "compile", "memory": "plan"},
+    # torch.compile's automatic dynamic shapes (a first graph for the shapes seen, then only the
+    # sizes that changed made symbolic: the token count, not the hidden sizes or the vocabulary)
+    # instead of `dynamic=True` (every size symbolic), for the decoder layers and the log-prob head
+    "copy_compile_autodyn": {
+        "mixed_precision": "compute_copy",
+        "fuse": "compile",
+        "_patch": {
+            "weir.train.fuse.COMPILE_OPTIONS": {"dynamic": None},
+            "weir.algo.entropy._COMPILE_OPTIONS": {"dynamic": None},
+        },
+    },
+    # the hand-written Triton kernels for the log-probs and entropy (weir.algo.logprob_triton)
+    "copy_compile_triton": {
+        "mixed_precision": "compute_copy",
+        "fuse": "compile",
+        "logprob_kernel": "triton",
+    },
 }
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
@@ -284,6 +305,14 @@ def run_config(
     from weir.config import build_config
     from weir.train.actor import Actor, ActorSettings
 
+    patch = train.pop("_patch", None)
+    if patch:
+        with patched(patch):
+            out = run_config(
+                shape, batch, args, device, env, warm=warm, steps=steps, profile=profile, **train
+            )
+        out["patch"] = patch
+        return out
     cfg = build_config({}, overrides(args, shape, device, batch, **train))
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())
@@ -320,6 +349,25 @@ def run_config(
     if out.get("step_s"):
         out.update(figures(shape, batch, params, out["step_s"], env["peak_bf16"]))
     return out
+
+
+@contextlib.contextmanager
+def patched(values: dict[str, Any]) -> Iterator[None]:
+    """Module attributes named by dotted path set to `values` for the block, with dynamo's caches
+    dropped before and after (a compile option changes only graphs compiled after it)."""
+    saved = []
+    for path, value in values.items():
+        module, name = path.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, value)
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+        torch._dynamo.reset()
 
 
 def figures(shape, batch, params: int, step_s: list[float], peak: float | None) -> dict[str, Any]:
@@ -390,7 +438,14 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
 
     def main_part():
         out = run_config(
-            shape, real, args, device, env, warm=1, steps=args.steps, profile=not args.no_profile
+            shape,
+            real,
+            args,
+            device,
+            env,
+            warm=args.warmup,
+            steps=args.steps,
+            profile=not args.no_profile,
         )
         step_s[0] = out["mean_s"]
         return out
@@ -413,6 +468,14 @@ def measure_shape(shape: str, args, device, env, budget: Budget, report) -> dict
             res["variants"][name] = {"skipped": f"train.fuse={route} cannot run here"}
             print(f"{shape} variant {name}: skipped ({route} cannot run here)", flush=True)
             continue
+        if train.get("logprob_kernel") == "triton":
+            from weir.algo.logprob_triton import triton_status
+
+            why = triton_status(device)
+            if why != "available":
+                res["variants"][name] = {"skipped": f"train.logprob_kernel=triton: {why}"}
+                print(f"{shape} variant {name}: skipped (Triton: {why})", flush=True)
+                continue
         cost = (w + n) * 2 + (8 if route == "compile" else 2)
         profiled = name in args.profile_variants.split(",")
 
@@ -549,6 +612,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shapes", default="0.5b,1.5b")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip parts past this")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps before the main config's timed ones (and the Ray part's)",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the main config")
     ap.add_argument("--variant-warmup", type=int, default=1)
     ap.add_argument("--variant-steps", type=int, default=2)
@@ -584,7 +653,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.shapes == "tiny":  # lengths a CPU runs in seconds
         args.prompts, args.n, args.prompt_len = 4, 4, "8-16"
         args.response_median, args.response_max, args.head_rows = 12, 32, 256
-        args.steps, args.variant_warmup, args.variant_steps = 1, 0, 1
+        args.warmup, args.steps, args.variant_warmup, args.variant_steps = 1, 1, 0, 1
     return args
 
 

@@ -3,7 +3,7 @@
 
 One model (the 0.5B shape on a GPU, `tiny` on a CPU; weir's byte tokenizer, the shape's own
 vocabulary), the lognormal batch of gpu_trainer.py's main part, the same train config three ways,
-each with one untimed warm-up step and `--steps` timed ones:
+each with `--warmup` untimed warm-up steps and `--steps` timed ones:
 
 - local: weir's `Actor` in this process (what `cluster.type=local` runs);
 - one FSDP2 rank: `ShardedActor` on a process group of one in this process: FSDP2's own cost,
@@ -106,8 +106,8 @@ RAY_MODES = {
 }
 
 
-def _steps(actor, batch, device, steps: int, budget: int) -> dict[str, Any]:
-    warm = timed(actor, batch, device)[0]
+def _steps(actor, batch, device, steps: int, budget: int, warmup: int) -> dict[str, Any]:
+    warm = [timed(actor, batch, device)[0] for _ in range(warmup)]
     runs = [timed(actor, batch, device)[0] for _ in range(steps)]
     out = {"warmup_s": warm, "step_s": runs, "mean_s": statistics.mean(runs)}
     out["split"] = phase_split(actor, batch, device)
@@ -116,7 +116,9 @@ def _steps(actor, batch, device, steps: int, budget: int) -> dict[str, Any]:
     return out
 
 
-def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) -> dict[str, Any]:
+def _local(
+    model_dir: Path, cfg, batch, device, steps: int, warmup: int, *, sharded: bool
+) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from weir.train.actor import Actor, ActorSettings
@@ -130,7 +132,7 @@ def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) ->
     if not sharded:
         actor = Actor(model, settings)
         try:
-            return _steps(actor, batch, device, steps, budget)
+            return _steps(actor, batch, device, steps, budget, warmup)
         finally:
             del actor, model
             free(device)
@@ -145,14 +147,14 @@ def _local(model_dir: Path, cfg, batch, device, steps: int, *, sharded: bool) ->
     )
     try:
         actor = ShardedActor(model, settings)
-        return _steps(actor, batch, device, steps, budget)
+        return _steps(actor, batch, device, steps, budget, warmup)
     finally:
         actor = model = None
         dist.destroy_process_group()
         free(device)
 
 
-def _ray(model_dir: Path, cfg, batch, steps: int, run_dir: Path) -> dict[str, Any]:
+def _ray(model_dir: Path, cfg, batch, steps: int, warmup: int, run_dir: Path) -> dict[str, Any]:
     from weir.loop.ray_build import build_ray
 
     parts = build_ray(cfg, run_dir, str(model_dir))
@@ -160,7 +162,7 @@ def _ray(model_dir: Path, cfg, batch, steps: int, run_dir: Path) -> dict[str, An
     rows: list[dict[str, float]] = []
     try:
         start = parts.trainer.start_stats()[0]
-        for step in range(steps + 1):  # the first: warm-up (CUDA, cuBLAS, the first offload)
+        for step in range(warmup + steps):  # warm-ups first (CUDA, cuBLAS, the first offload)
             t0 = time.perf_counter()
             # what the loop's `router.asleep(update_follows=True)` does around the step, timed apart
             if router.sleep_mode:
@@ -193,7 +195,8 @@ def _ray(model_dir: Path, cfg, batch, steps: int, run_dir: Path) -> dict[str, An
             print("ray step:", {k: round(v, 4) for k, v in row.items()}, flush=True)
     finally:
         parts.shutdown()
-    return {"rank_sharded": bool(start.get("sharded", 1.0)), "warmup": rows[0], "steps": rows[1:]}
+    sharded = bool(start.get("sharded", 1.0))
+    return {"rank_sharded": sharded, "warmup": rows[:warmup], "steps": rows[warmup:]}
 
 
 def measure(args, device: torch.device, seconds: float) -> dict[str, Any]:
@@ -207,33 +210,33 @@ def measure(args, device: torch.device, seconds: float) -> dict[str, Any]:
 
     start = time.perf_counter()
     shape = "0.5b" if device.type == "cuda" else "tiny"
-    steps = args.steps
+    steps, warm = args.steps, max(1, getattr(args, "warmup", 1))
     out: dict[str, Any] = {"shape": shape}
     with tempfile.TemporaryDirectory(prefix="weir-gpu-trainer-ray-") as tmp:
         model_dir = _save_model(shape, Path(tmp) / "model")
         batch = make_batch(make_groups(args, SHAPES[shape]["vocab_size"], "lognormal"), version=0)
         out["tokens"] = sum(len(s) for s in batch.sequences)
         local_cfg = build_config({}, _overrides(args, shape, device, batch, ray=False))
-        out["local"] = _local(model_dir, local_cfg, batch, device, steps, sharded=False)
+        out["local"] = _local(model_dir, local_cfg, batch, device, steps, warm, sharded=False)
         print("local:", out["local"], flush=True)
         if time.perf_counter() - start < seconds / 3:
             try:
                 out["fsdp_one_rank"] = _local(
-                    model_dir, local_cfg, batch, device, steps, sharded=True
+                    model_dir, local_cfg, batch, device, steps, warm, sharded=True
                 )
             except Exception as err:  # noqa: BLE001 - a diagnostic: report and go on
                 out["fsdp_one_rank"] = {"error": f"{type(err).__name__}: {err}"[:300]}
             print("one FSDP2 rank:", out["fsdp_one_rank"], flush=True)
         gc.collect()
         ray_cfg = build_config({}, _overrides(args, shape, device, batch, ray=True))
-        out["ray"] = _ray(model_dir, ray_cfg, batch, steps, Path(tmp) / "run")
+        out["ray"] = _ray(model_dir, ray_cfg, batch, steps, warm, Path(tmp) / "run")
         for mode in [m for m in getattr(args, "ray_modes", "").split(",") if m]:
             if time.perf_counter() - start > seconds * 0.7:
                 out[f"ray_{mode}"] = {"skipped": "budget"}
                 continue
             cfg = _overrides(args, shape, device, batch, ray=True) + RAY_MODES[mode]
             try:
-                rows = _ray(model_dir, build_config({}, cfg), batch, steps, Path(tmp) / mode)
+                rows = _ray(model_dir, build_config({}, cfg), batch, steps, warm, Path(tmp) / mode)
             except Exception as err:  # noqa: BLE001 - a further figure: report and go on
                 out[f"ray_{mode}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
                 continue

@@ -105,3 +105,18 @@ def test_an_exhausted_budget_skips_parts_and_still_writes(bench, tmp_path):
     report = json.loads(out.read_text())
     assert report["shapes"]["tiny"]["main"]["skipped"].startswith("budget")
     assert report["skipped"] == ["tiny/main"] and len(report["targets"]) == 4
+
+
+def test_a_variants_patch_holds_for_its_run_only(bench):
+    """`_patch` (the compile-options variant) sets module attributes for one run and puts them
+    back, whatever the run did."""
+    from weir.algo import entropy
+    from weir.train import fuse
+
+    before = (dict(fuse.COMPILE_OPTIONS), dict(entropy._COMPILE_OPTIONS))
+    values = bench.VARIANTS["copy_compile_autodyn"]["_patch"]
+    with pytest.raises(RuntimeError), bench.patched(values):
+        assert fuse.COMPILE_OPTIONS == {"dynamic": None}
+        assert entropy._COMPILE_OPTIONS == {"dynamic": None}
+        raise RuntimeError("the run failed")
+    assert before == (fuse.COMPILE_OPTIONS, entropy._COMPILE_OPTIONS)
