@@ -31,7 +31,7 @@ test-tf-old: setup-tf-old
 # old-transformers subset (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
 test:
 	$(MAKE) --no-print-directory -j2 setup-vllm test-tf-old
-	$(PY) -m pytest -q -rs -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

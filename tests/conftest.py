@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,27 @@ from tests.hf_deprecations import deprecations_from_weir
 # tiny models: 1 thread is as fast, and immune to oversubscription; WEIR_TEST_TORCH_THREADS=2 runs
 # the suite under another thread count (other summation orders) to find bounds at a rounding edge
 torch.set_num_threads(int(os.environ.get("WEIR_TEST_TORCH_THREADS", "1")))
+
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest test files first (tests/durations.json: seconds per file, measured by
+    scripts/test_durations.py), the rest in collection order after them. `make test` runs whole
+    files on two workers (`--dist loadfile --no-loadscope-reorder`), each taking the next file
+    as it finishes one: with the longest files first no worker is left running a long one alone at
+    the end (xdist's own order, by test count, put the GUI demo's one 9-minute test last)."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+
+    def key(item) -> tuple[float, int]:
+        path = item.nodeid.split("::")[0]
+        return -float(seconds.get(path, 0.0)), first[path]
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(wrapper=True)
