@@ -141,3 +141,48 @@ def test_a_dead_trainer_rank_stops_with_a_clear_message(ray_local, tiny_model_di
             group.call("full_state")  # rank 0 would wait for rank 1 in the collective forever
     finally:
         cluster.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _Rank:
+    """A stand-in for a trainer rank in a collective: `fail` raises what gloo raises on a rank
+    whose peer is gone, `die` ends the process, `ok` returns."""
+
+    def run(self, what: str, delay_s: float = 0.0) -> int:
+        import os
+        import time
+
+        time.sleep(delay_s)
+        if what == "die":
+            os._exit(1)
+        if what == "fail":
+            raise RuntimeError("gloo/transport/tcp/pair.cc: Connection reset by peer")
+        return 1
+
+
+@pytest.mark.parametrize("first", ["failed peer", "dead rank"])
+def test_a_peers_collective_error_reports_the_rank_that_died(ray_local, first):
+    """Rank 1 dies as rank 0 waits on it in a collective; rank 0's gloo error may reach the driver
+    first (it did in a full run): the run stops on the dead rank all the same."""
+    from weir.train.distributed import TrainerGroup
+
+    group = object.__new__(TrainerGroup)
+    group.ranks = [_Rank.remote(), _Rank.remote()]
+    fail_after, die_after = (0.0, 0.5) if first == "failed peer" else (1.0, 0.0)
+    refs = [
+        group.ranks[0].run.remote("fail", fail_after),
+        group.ranks[1].run.remote("die", die_after),
+    ]
+    with pytest.raises(TrainerFailed, match="trainer rank 1 died"):
+        group.get(refs)
+
+
+def test_a_ranks_own_error_is_raised_as_it_is_when_no_rank_died(ray_local):
+    from weir.train.distributed import TrainerGroup
+
+    group = object.__new__(TrainerGroup)
+    group.ranks = [_Rank.remote(), _Rank.remote()]
+    refs = [group.ranks[0].run.remote("fail"), group.ranks[1].run.remote("ok", 0.5)]
+    with pytest.raises(ray.exceptions.RayTaskError, match="Connection reset by peer"):
+        group.get(refs)
+    group.shutdown()

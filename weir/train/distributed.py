@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from weir.train.critic import CriticSettings
 
 log = logging.getLogger(__name__)
+PEER_GRACE_S = 10.0
+"""How long a rank's error waits for the other ranks to report a death that caused it."""
 
 
 def _by_name(optim: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -338,11 +340,13 @@ class TrainerGroup:
         return self.ranks[0]
 
     def get(self, refs: list) -> list:
-        """Results of `refs` (one per rank, in rank order); fail fast on the first dead rank."""
-        import ray
-        from ray.exceptions import RayActorError
+        """Results of `refs` (one per rank, in rank order); fail fast on the first dead rank.
 
-        from weir.cluster import TrainerFailed
+        A rank's error in a collective (gloo's "connection reset by peer") is often the echo of
+        another rank's death: before raising it, the others get `PEER_GRACE_S` to report theirs,
+        and a dead rank is what the run stops on."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
 
         index = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
@@ -351,12 +355,28 @@ class TrainerGroup:
             try:
                 ray.get(ready[0])
             except RayActorError as err:
-                self.shutdown()
-                raise TrainerFailed(
-                    f"trainer rank {index[ready[0]]} died ({type(err).__name__}); the run stops. "
-                    "Check that rank's log above (out of memory?) and resume from the last checkpoint"
-                ) from None
+                self._died(index[ready[0]], err)
+            except RayTaskError:
+                if pending:
+                    done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_GRACE_S)
+                    for ref in done:
+                        try:
+                            ray.get(ref)
+                        except RayActorError as err:
+                            self._died(index[ref], err)
+                        except RayTaskError:
+                            pass
+                raise
         return ray.get(refs)
+
+    def _died(self, rank: int, err: Exception) -> None:
+        from weir.cluster import TrainerFailed
+
+        self.shutdown()
+        raise TrainerFailed(
+            f"trainer rank {rank} died ({type(err).__name__}); the run stops. "
+            "Check that rank's log above (out of memory?) and resume from the last checkpoint"
+        ) from None
 
     def call(self, method: str, *args) -> list:
         """`method` on every rank (a collective: calls from several threads do not interleave)."""
