@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import FSDPModule
 
 from weir import algo
 from weir.config import Config
@@ -164,6 +163,14 @@ def response_values(
 class Critic:
     """Value model, optimizer and schedule: values for GAE, and clipped value-loss updates."""
 
+    def _precision(self, model: torch.nn.Module) -> Precision:
+        """Device and dtypes as the actor's (`ProcessHooks._precision`): the model's own device
+        and parameter dtype, `train.compute_dtype` by autocast or on a compute copy."""
+        p = next(model.parameters())
+        asked = Precision.from_config(self.tcfg, device=p.device)
+        compute = torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype
+        return Precision(p.device, p.dtype, compute, asked.copy)
+
     def __init__(self, model: ValueModel, settings: CriticSettings) -> None:
         self.settings = settings
         self.cfg, self.tcfg = settings.critic, settings.train
@@ -171,19 +178,12 @@ class Critic:
             prepare_for_training(model.backbone, checkpointing=self.tcfg.gradient_checkpointing)
         self.model = model
         p = next(model.parameters())
-        asked = Precision.from_config(self.tcfg, device=p.device)
-        self.precision = Precision(
-            p.device,
-            p.dtype,
-            torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype,
-            asked.copy,
-        )
+        self.precision = self._precision(model)
         # train.mixed_precision=compute_copy: as the actor (a shared backbone is copied for the
-        # critic's passes, outside the actor's). Not on an FSDP2 model: FSDP2 casts its shards
-        # itself, and a copy swapped in before its first forward would become what it gathers
+        # critic's passes, outside the actor's)
         self._copy = (
             ComputeCopy(model, self.precision.compute_dtype)
-            if self.precision.mixed and self.precision.copy and not isinstance(model, FSDPModule)
+            if self.precision.mixed and self.precision.copy
             else None
         )
         self.device = p.device

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from weir.train.critic import Critic, CriticSettings, ValueModel
 from weir.train.deal import balance
 from weir.train.packing import Layout, micro_batches
+from weir.train.precision import Precision
 from weir.train.sharded_actor import shard_model
 
 
@@ -36,11 +37,16 @@ class ShardedCritic(Critic):
         self._comm = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         if not isinstance(model, FSDPModule):
             p = next(model.parameters())
-            from weir.train.precision import Precision
-
             compute = Precision.from_config(settings.train, device=p.device).compute_dtype
             shard_model(model, compute_dtype=compute)
         super().__init__(model, settings)
+
+    def _precision(self, model: torch.nn.Module) -> Precision:
+        """As `ShardedActor._precision`: FSDP2's MixedPrecisionPolicy casts the gathered shards,
+        so neither autocast on top of it nor a compute copy (one swapped in before FSDP2's first
+        forward would become what it gathers, and the float32 shards would stop training)."""
+        p = next(model.parameters())
+        return Precision(p.device, p.dtype, p.dtype)
 
     def _choose_layout(self, model: ValueModel) -> Layout:
         return "padded"
