@@ -332,10 +332,13 @@ def run_config(
             out["warmup_s"] = warm_s
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        before = allocator_counts(device)
         runs = [timed(actor, batch, device) for _ in range(steps)]
         out["peak_gb"] = (
             torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         )
+        after = allocator_counts(device)
+        out["allocator"] = {k: after[k] - before[k] for k in after}
         out["step_s"] = [r[0] for r in runs]
         out["host_s"] = [r[1] for r in runs]
         out["grad_norm"] = runs[-1][2].get("train/grad_norm") if runs else None
@@ -349,6 +352,18 @@ def run_config(
     if out.get("step_s"):
         out.update(figures(shape, batch, params, out["step_s"], env["peak_bf16"]))
     return out
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's counts (0 off CUDA): cudaMalloc and cudaFree calls, and retries (a
+    failed allocation that freed every cached block and synchronised the device first). Growth over
+    the timed steps means they paid the driver: fragmentation as lengths change, or a step that
+    still grows its pool (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is the usual cure)."""
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    if device.type != "cuda":
+        return dict.fromkeys(keys, 0)
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in keys}
 
 
 @contextlib.contextmanager
@@ -532,12 +547,16 @@ def summary(row: dict[str, Any]) -> str:
     if "tok_s" not in row:
         return json.dumps(row, default=str)[:300]
     pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
-    warm = f"warm-up {row['warmup_s'][0]:.2f}s, " if row.get("warmup_s") else ""
+    warm = ""
+    if row.get("warmup_s"):
+        warm = f"warm-up {', '.join(f'{s:.2f}' for s in row['warmup_s'])}s, "
     peak = "" if row.get("peak_gb") is None else f", peak {row['peak_gb']:.1f} GB"
+    alloc = row.get("allocator") or {}
+    mallocs = f", cudaMalloc {alloc['num_device_alloc']}" if alloc.get("num_device_alloc") else ""
     return (
         f"[{row['layout']}] {warm}steps {', '.join(f'{s:.3f}' for s in row['step_s'])} s, "
         f"{row['tok_s']:,.0f} tok/s, MFU model {pct(row['mfu_model'])} / 6ND "
-        f"{pct(row['mfu_6nd'])} / verl {pct(row['mfu_verl'])}{peak}"
+        f"{pct(row['mfu_6nd'])} / verl {pct(row['mfu_verl'])}{peak}{mallocs}"
     )
 
 

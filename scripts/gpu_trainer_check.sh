@@ -6,6 +6,8 @@
 # 1. the fused-head GPU tests (each log-prob kernel, the Triton one included, against the reference);
 # 2. benchmarks/gpu_trainer.py at both shapes: the defaults (two warm-up steps, three timed) beside
 #    the old defaults, automatic dynamic shapes for the compiled graphs and the Triton head kernel;
+#    then the 0.5B defaults again in a process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#    (the allocator's cudaMalloc calls over the timed steps are printed beside each figure);
 # 3. the colocated Ray step (engine weights parked in host memory, the lazy wake) and with the
 #    engine keeping its weights (the default), and the weight sync's seconds per GB;
 # 4. the LoRA and colocated-Ray GPU tests, which had not passed on the code since 2026-11-27.
@@ -26,14 +28,18 @@ export PYTHONPATH=$S:$PWD GPU_CHECK_OUT=$OUT PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$OUT/device.txt"
 echo "setup $(el) s" | tee "$OUT/times.txt"
 
-timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/gpu/test_fused_head_gpu.py \
+timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/gpu/test_fused_head_gpu.py \
   >"$OUT/head_tests.log" 2>&1
 echo "head tests rc=$? $(el) s" | tee -a "$OUT/times.txt"
 timeout 170 python3 benchmarks/gpu_trainer.py --budget-s 160 --no-profile --parts "" \
-  --variants autocast_off,copy_compile_autodyn,copy_compile_triton \
+  --variants copy_compile_triton,copy_compile_autodyn,autocast_off \
   --out "$OUT/gpu_trainer.json" >"$OUT/gpu_trainer.log" 2>&1
 echo "bench rc=$? $(el) s" | tee -a "$OUT/times.txt"
-timeout 170 python3 benchmarks/gpu_trainer.py --shapes "" --ray --ray-modes defaults --budget-s 165 \
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 70 python3 benchmarks/gpu_trainer.py \
+  --shapes 0.5b --budget-s 65 --no-profile --parts "" --variants "" \
+  --out "$OUT/gpu_trainer_expandable.json" >"$OUT/gpu_trainer_expandable.log" 2>&1
+echo "bench expandable_segments rc=$? $(el) s" | tee -a "$OUT/times.txt"
+timeout 165 python3 benchmarks/gpu_trainer.py --shapes "" --ray --ray-modes defaults --budget-s 160 \
   --out "$OUT/gpu_trainer_ray.json" >"$OUT/gpu_trainer_ray.log" 2>&1
 echo "ray rc=$? $(el) s" | tee -a "$OUT/times.txt"
 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/gpu/test_lora_gpu.py \
@@ -47,4 +53,5 @@ if [ "$left" -gt 60 ]; then
 fi
 cat "$OUT/device.txt"
 for f in head_tests lora_tests colocated_tests; do [ -f "$OUT/$f.log" ] && tail -n 2 "$OUT/$f.log"; done
-grep -hE "^target|main:|variant|train.fuse|^ray step" "$OUT/gpu_trainer.log" "$OUT/gpu_trainer_ray.log"
+grep -hE "^target|main:|variant|train.fuse|^ray step" "$OUT/gpu_trainer.log" \
+  "$OUT/gpu_trainer_expandable.log" "$OUT/gpu_trainer_ray.log"
