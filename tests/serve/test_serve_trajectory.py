@@ -24,7 +24,10 @@ def test_turns_that_extend_share_a_sample_and_others_start_a_new_one(turns):
     for k, (added, response, restart) in enumerate(turns):
         lps = [-(k + 1) - i / 10 for i in range(len(response))]
         if restart or not context:
-            prompt = [99] + added  # 99 never occurs in responses: cannot extend by accident
+            # 99 and the turn's own marker never occur in responses or other prompts, so a
+            # restart cannot extend the context by accident ([99, 0] + [0] then [99, 0, 0, 0]
+            # would have: hypothesis found it in a full run)
+            prompt = [99, 100 + k] + added
             expected.append(
                 {"prompt": prompt, "ids": [], "mask": [], "lps": [], "versions": [], "last": k}
             )
