@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -320,7 +318,7 @@ def compile_status(device: torch.device | str) -> str:
         return "this torch has no torch.compile"
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
-    if not any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")):
+    if logprob_triton.c_compiler() is None:
         return "no C compiler (cc, gcc or clang; Triton needs one)"
     if _compile_failure:
         return f"compiling failed in this process: {_compile_failure[0]}"

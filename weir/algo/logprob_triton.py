@@ -38,7 +38,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["triton_status", "interpreting", "stats", "grad", "DTYPES", "FWD_BLOCK_V", "BWD_BLOCK_V"]
+__all__ = [
+    "triton_status",
+    "c_compiler",
+    "interpreting",
+    "stats",
+    "grad",
+    "DTYPES",
+    "FWD_BLOCK_V",
+    "BWD_BLOCK_V",
+]
 
 FWD_BLOCK_V = 8192  # columns per step of the forward's row loop (a power of two)
 BWD_BLOCK_V = 4096  # columns per program of the backward
@@ -52,6 +61,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def c_compiler() -> str | None:
+    """The C compiler Triton builds its launchers with ($CC, else cc, gcc or clang on PATH), or
+    None: `triton_status` and `entropy.compile_status` both need one."""
+    names = (os.environ.get("CC") or "cc", "gcc", "clang")
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+
 def triton_status(device: torch.device | str) -> str:
     """``"available"`` where the Triton kernels run on tensors of `device`: TRITON_INTERPRET=1 (the
     interpreter, any device), or CUDA with Triton and a C compiler (Triton builds its launchers
@@ -62,7 +78,7 @@ def triton_status(device: torch.device | str) -> str:
         return "available"
     if torch.device(device).type != "cuda":
         return "not CUDA (set TRITON_INTERPRET=1 to run the Triton kernels in its interpreter)"
-    if not any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang")):
+    if c_compiler() is None:
         return "no C compiler (cc, gcc or clang; Triton needs one)"
     return "available"
 

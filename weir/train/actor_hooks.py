@@ -13,20 +13,15 @@ import torch
 from weir.train.compute_copy import ComputeCopy, cast_parameters
 from weir.train.layout_cost import LayoutChoice, layout_choice
 from weir.train.packing import Layout, exact_layouts, micro_batches
-from weir.train.precision import Precision
+from weir.train.precision import Precision, model_precision
 
 
 class ProcessHooks:
     """One process trains everything: the hooks' single-process forms (a mixin of `Actor`)."""
 
     def _precision(self, model: torch.nn.Module) -> Precision:
-        """Device and dtypes: the model's own device and parameter dtype, `train.compute_dtype`
-        applied with autocast or on a compute-dtype copy (`train.mixed_precision`; a no-op when
-        it is not narrower than the parameters)."""
-        p = next(model.parameters())
-        asked = Precision.from_config(self.tcfg, device=p.device)
-        compute = torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype
-        return Precision(p.device, p.dtype, compute, asked.copy)
+        """Device and dtypes of one process (`weir.train.precision.model_precision`)."""
+        return model_precision(self.tcfg, model)
 
     def _compute_copy(self, model: torch.nn.Module) -> ComputeCopy | None:
         """The policy's compute-dtype copy with `train.mixed_precision: compute_copy` (None under

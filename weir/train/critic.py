@@ -35,7 +35,7 @@ from weir.train.model import load_model, resolve_model_path
 from weir.train.modes import grad_mode, prepare_for_training
 from weir.train.optim import make_optimizer, make_schedule
 from weir.train.packing import Layout, choose_layout, left_pad, micro_batches, pack
-from weir.train.precision import Precision, compute_device
+from weir.train.precision import Precision, compute_device, model_precision
 
 
 @dataclass(frozen=True)
@@ -164,12 +164,8 @@ class Critic:
     """Value model, optimizer and schedule: values for GAE, and clipped value-loss updates."""
 
     def _precision(self, model: torch.nn.Module) -> Precision:
-        """Device and dtypes as the actor's (`ProcessHooks._precision`): the model's own device
-        and parameter dtype, `train.compute_dtype` by autocast or on a compute copy."""
-        p = next(model.parameters())
-        asked = Precision.from_config(self.tcfg, device=p.device)
-        compute = torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype
-        return Precision(p.device, p.dtype, compute, asked.copy)
+        """Device and dtypes of one process, as the actor's (`model_precision`)."""
+        return model_precision(self.tcfg, model)
 
     def __init__(self, model: ValueModel, settings: CriticSettings) -> None:
         self.settings = settings

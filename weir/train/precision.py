@@ -75,6 +75,16 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
 
+def model_precision(train, model: torch.nn.Module) -> Precision:
+    """What one process trains `model` in: its own device and parameter dtype, and `train`'s
+    compute dtype (bfloat16 for bfloat16 parameters) by autocast or on a compute copy
+    (`train.mixed_precision`; a no-op when it is not narrower than the parameters)."""
+    p = next(model.parameters())
+    asked = Precision.from_config(train, device=p.device)
+    compute = torch.bfloat16 if p.dtype == torch.bfloat16 else asked.compute_dtype
+    return Precision(p.device, p.dtype, compute, asked.copy)
+
+
 def setup_device(
     precision: Precision, *, deterministic: bool, cudnn_attention: bool = False
 ) -> None:

@@ -13,10 +13,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from weir.algo import entropy_from_logits, logprobs_from_logits
+from weir.algo.entropy import KERNELS as FUSED_KERNELS
 from weir.algo.entropy import compile_status, token_logprobs_and_entropy
 from weir.algo.logprob_triton import triton_status
 
-KERNELS = ("auto", "compiled", "eager", "triton", "reference")
+KERNELS = (*FUSED_KERNELS, "reference")
 _kernel: ContextVar[str] = ContextVar("weir_logprob_kernel", default="auto")
 
 
