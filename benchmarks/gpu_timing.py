@@ -1,8 +1,10 @@
 """Timing pieces of benchmarks/gpu_trainer.py: a step timed with CUDA events, one step under
-torch.profiler, and the LM-head statistics alone (each kernel against the reference functions)."""
+torch.profiler, the LM-head statistics alone (each kernel against the reference functions), and
+the Triton head kernels' block sizes."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from typing import Any
@@ -183,4 +185,57 @@ def head_bench(vocab: int, rows: int, device: torch.device, repeat: int) -> dict
         except Exception as err:  # noqa: BLE001 - one kernel failing must not stop the others
             out[kernel] = {"error": f"{type(err).__name__}: {err}"[:300]}
         free(device)
+    if "triton" in kernels:
+        out["triton_blocks"] = triton_block_sweep(base, ids, device, repeat)
+    return out
+
+
+FWD_BLOCKS = (2048, 4096, 8192, 16384)
+BWD_BLOCKS = (1024, 2048, 4096, 8192)
+
+
+def triton_block_sweep(
+    logits: torch.Tensor, ids: torch.Tensor, device: torch.device, repeat: int
+) -> dict[str, Any]:
+    """The Triton forward (with the entropy) and backward (log-prob term) alone at each block size
+    of `FWD_BLOCKS` / `BWD_BLOCKS` (weir's defaults: logprob_triton.FWD_BLOCK_V / BWD_BLOCK_V):
+    the best of `repeat` runs after one that compiles, in ms, and the bytes each moves over that
+    time (forward: the logits read once; backward: read once, the gradient written once), in GB/s,
+    to set against the GPU's memory bandwidth."""
+    from weir.algo import logprob_triton as lt
+
+    n, v = logits.shape
+    elem = logits.element_size()
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeat):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    m, log_s, _, h = lt.stats(logits, ids, 1.0, True)
+    g = torch.ones(n, device=device)
+    out: dict[str, Any] = {"defaults": [lt.FWD_BLOCK_V, lt.BWD_BLOCK_V]}
+    for name, blocks, moved, run in (
+        ("forward", FWD_BLOCKS, n * v * elem, lambda b: lt.stats(logits, ids, 1.0, True, b)),
+        (
+            "backward",
+            BWD_BLOCKS,
+            2 * n * v * elem,
+            lambda b: lt.grad(logits, ids, m, log_s, h, g, None, 1.0, b),
+        ),
+    ):
+        rows = {}
+        for block in blocks:
+            try:
+                s = best(functools.partial(run, block))
+                rows[str(block)] = {"ms": s * 1e3, "gb_s": moved / s / 1e9}
+            except Exception as err:  # noqa: BLE001 - a block that fails must not stop the others
+                rows[str(block)] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        out[name] = rows
     return out

@@ -5,7 +5,8 @@
 #
 # 1. the fused-head GPU tests (each log-prob kernel, the Triton one included, against the reference);
 # 2. benchmarks/gpu_trainer.py at both shapes: the defaults (two warm-up steps, three timed) beside
-#    the old defaults, automatic dynamic shapes for the compiled graphs and the Triton head kernel;
+#    the old defaults, automatic dynamic shapes for the compiled graphs and the Triton head kernel
+#    (and its block sizes alone: benchmarks/gpu_timing.triton_block_sweep);
 #    then the 0.5B defaults again in a process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #    (the allocator's cudaMalloc calls over the timed steps are printed beside each figure);
 # 3. the colocated Ray step (engine weights parked in host memory, the lazy wake) and with the
@@ -53,5 +54,5 @@ if [ "$left" -gt 60 ]; then
 fi
 cat "$OUT/device.txt"
 for f in head_tests lora_tests colocated_tests; do [ -f "$OUT/$f.log" ] && tail -n 2 "$OUT/$f.log"; done
-grep -hE "^target|main:|variant|train.fuse|^ray step" "$OUT/gpu_trainer.log" \
+grep -hE "^target|main:|variant|train.fuse|^ray step|^head" "$OUT/gpu_trainer.log" \
   "$OUT/gpu_trainer_expandable.log" "$OUT/gpu_trainer_ray.log"

@@ -269,3 +269,27 @@ def test_triton_is_refused_where_it_cannot_run(monkeypatch):
         check_kernel(cfg.train.logprob_kernel, torch.device("cpu"))
     assert "\n" not in str(err.value)
     check_kernel("eager", torch.device("cpu"))  # the others are not its business
+
+
+def test_the_gpu_benchmarks_block_sweep_times_every_block(interpret):
+    """benchmarks/gpu_timing.triton_block_sweep, the GPU check's tuning of the block sizes, runs
+    the forward and the backward at every block it lists (here in the interpreter, on so few
+    columns that each block covers the row: the path, not the timings)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import gpu_timing
+    finally:
+        sys.path.remove(bench)
+    x, ids = logits(n=4, v=40)
+    out = gpu_timing.triton_block_sweep(x, ids, torch.device("cpu"), repeat=1)
+    assert out["defaults"] == [logprob_triton.FWD_BLOCK_V, logprob_triton.BWD_BLOCK_V]
+    for name, blocks in (("forward", gpu_timing.FWD_BLOCKS), ("backward", gpu_timing.BWD_BLOCKS)):
+        assert set(out[name]) == {str(b) for b in blocks}
+        for row in out[name].values():
+            assert row["ms"] > 0 and row["gb_s"] > 0, row
+    assert interpret["stats"] >= 2 * len(gpu_timing.FWD_BLOCKS)  # a compile run, then timed
+    assert interpret["grad"] >= 2 * len(gpu_timing.BWD_BLOCKS)

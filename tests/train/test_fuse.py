@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from tests.toy import toy_groups
+from weir.algo.logprob_triton import c_compiler
 from weir.config import build_config
 from weir.train import fuse
 from weir.train.actor import Actor, ActorSettings
@@ -37,14 +39,14 @@ def _model() -> torch.nn.Module:
 
 @pytest.fixture
 def no_compiler(monkeypatch):
-    monkeypatch.setattr(fuse.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
 
 
 def test_auto_is_off_on_a_cpu_and_liger_falls_back_to_compile_there():
     model = _model()
     assert choose_fusion("auto", model, CPU).route == "off"
     assert choose_fusion("off", model, CPU).route == "off"
-    if fuse.c_compiler() is None:
+    if c_compiler() is None:
         pytest.skip("no C compiler here: the compile route is refused (tested below)")
     got = choose_fusion("liger", model, CPU)
     assert got.route == "compile"
@@ -60,7 +62,7 @@ def test_the_chain_on_a_gpu_without_liger_or_triton(monkeypatch):
         "find_spec",
         lambda name: None if name in ("liger_kernel", "triton") else real(name),
     )
-    monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/cc")
     got = choose_fusion("auto", _model(), CUDA)
     assert got.route == "off"
     assert got.reason == (
@@ -84,7 +86,7 @@ def every_route_installed(monkeypatch):
         "find_spec",
         lambda name: object() if name in ("liger_kernel", "triton") else real(name),
     )
-    monkeypatch.setattr(fuse.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/cc")
 
 
 def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(
@@ -93,7 +95,7 @@ def test_auto_prefers_compile_on_cuda_and_takes_liger_without_a_compiler(
     """Measured on an H200 (docs/dev/gpu-runs.md): compiled layers are faster than Liger's
     kernels at both Qwen2.5 shapes, so `auto` compiles where a C compiler and Triton are there."""
     assert choose_fusion("auto", _model(), CUDA).route == "compile"
-    monkeypatch.setattr(fuse.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     got = choose_fusion("auto", _model(), CUDA)
     assert got.route == "liger"
     assert got.reason.startswith("compile off: no C compiler on PATH")
@@ -150,8 +152,8 @@ def test_a_missing_compiler_turns_compile_off_and_says_so_once(no_compiler, capl
     assert got.route == "off"
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert caplog.records[0].getMessage() == (
-        "train.fuse: off (compile off: no C compiler on PATH (cc, gcc, clang) for Inductor and "
-        "Triton)"
+        "train.fuse: off (compile off: no C compiler on PATH ($CC, cc, gcc or clang) for "
+        "Inductor and Triton)"
     )
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
 
@@ -169,7 +171,7 @@ def test_an_actor_asked_to_compile_without_a_compiler_trains_unfused(no_compiler
 def test_compiled_layers_leave_a_deep_copy_uncompiled():
     """The reference policy and an engine's copy are deep copies of the trainer's model: they must
     run their own weights, which a compiled bound `forward` would not (it runs the original's)."""
-    if fuse.c_compiler() is None:
+    if c_compiler() is None:
         pytest.skip("no C compiler here")
     model = _model()
     assert apply_fusion("compile", model, CPU).route == "compile"  # compiles lazily: no forward

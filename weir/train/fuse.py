@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
 from dataclasses import dataclass
 
 import torch
+
+from weir.algo.logprob_triton import c_compiler
 
 log = logging.getLogger(__name__)
 
 LIGER_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2")
 """`model_type`s whose Liger kernels compute what the Hugging Face modules compute (RMSNorm in
 float32 cast back as Llama's does, SiLU-gated MLP)."""
-COMPILERS = ("cc", "gcc", "clang")
 COMPILE_OPTIONS: dict = {"dynamic": True}
 """`Module.compile`'s options for the `compile` route (tests swap in a counting backend)."""
 
@@ -51,11 +51,6 @@ class Fusion:
     reason: str
     held: bool = False
     """`auto` chose to fuse nothing here (a CPU, an FSDP2 rank, a LoRA model): not a fallback."""
-
-
-def c_compiler() -> str | None:
-    """The C compiler Inductor and Triton would call (None: none on PATH)."""
-    return next((path for name in COMPILERS if (path := shutil.which(name))), None)
 
 
 def _liger_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
@@ -71,7 +66,7 @@ def _liger_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
 
 def _compile_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
     if c_compiler() is None:
-        return f"no C compiler on PATH ({', '.join(COMPILERS)}) for Inductor and Triton"
+        return "no C compiler on PATH ($CC, cc, gcc or clang) for Inductor and Triton"
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         return "Triton is not installed"
     if not _decoder_layers(model):

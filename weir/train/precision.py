@@ -85,6 +85,16 @@ def model_precision(train, model: torch.nn.Module) -> Precision:
     return Precision(p.device, p.dtype, compute, asked.copy)
 
 
+def sharded_precision(model: torch.nn.Module, device: torch.device | None = None) -> Precision:
+    """What an FSDP2 rank trains `model` in: its parameters' dtype throughout, because FSDP2's
+    MixedPrecisionPolicy casts the gathered shards (autocast on top would cast again, and a
+    compute copy swapped in before FSDP2's first forward would become what it gathers, so the
+    float32 shards would stop training). `device`: the rank's, where its shards live elsewhere
+    (CPU offload); else the parameters'."""
+    p = next(model.parameters())
+    return Precision(device if device is not None else p.device, p.dtype, p.dtype)
+
+
 def setup_device(
     precision: Precision, *, deterministic: bool, cudnn_attention: bool = False
 ) -> None:

@@ -39,7 +39,7 @@ from weir.train.packing import (
     micro_batches,
     prefix_refusal,
 )
-from weir.train.precision import Precision
+from weir.train.precision import Precision, sharded_precision
 from weir.train.prefix_pass import prefix_response_logprobs
 
 log = logging.getLogger(__name__)
@@ -175,12 +175,9 @@ class ShardedActor(Actor):
         return out.to(rows.device)
 
     def _precision(self, model: torch.nn.Module) -> Precision:
-        """FSDP2's MixedPrecisionPolicy casts the gathered shards, so no autocast on top of it.
-
-        The device is the rank's (with CPU offload the shards themselves live on the CPU)."""
-        p = next(model.parameters())
-        device = self._comm if self._comm is not None else p.device
-        return Precision(device, p.dtype, p.dtype)
+        """`sharded_precision` on the rank's device (with CPU offload the shards live on the
+        CPU)."""
+        return sharded_precision(model, self._comm)
 
     def _choose_layouts(self) -> LayoutChoice:
         """`train.packing` resolved on every rank at once: a layout is a candidate only where

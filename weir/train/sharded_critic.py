@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from weir.train.critic import Critic, CriticSettings, ValueModel
 from weir.train.deal import balance
 from weir.train.packing import Layout, micro_batches
-from weir.train.precision import Precision
+from weir.train.precision import Precision, sharded_precision
 from weir.train.sharded_actor import shard_model
 
 
@@ -42,11 +42,8 @@ class ShardedCritic(Critic):
         super().__init__(model, settings)
 
     def _precision(self, model: torch.nn.Module) -> Precision:
-        """As `ShardedActor._precision`: FSDP2's MixedPrecisionPolicy casts the gathered shards,
-        so neither autocast on top of it nor a compute copy (one swapped in before FSDP2's first
-        forward would become what it gathers, and the float32 shards would stop training)."""
-        p = next(model.parameters())
-        return Precision(p.device, p.dtype, p.dtype)
+        """`sharded_precision`: FSDP2 casts the gathered shards, no autocast or compute copy."""
+        return sharded_precision(model)
 
     def _choose_layout(self, model: ValueModel) -> Layout:
         return "padded"
