@@ -133,6 +133,23 @@ def _check_chunk(chunk_size: int) -> int:
     return chunk_size
 
 
+def _check_token_args(
+    logits: Tensor, token_ids: Tensor, chunk_size: int, temperature: float
+) -> tuple[Tensor, Tensor, float]:
+    """The checks `logprobs_from_logits` and `token_logprobs_and_entropy` share: float logits
+    [..., V] with V > 0, integer ids shaped as the logits' leading dims, a valid chunk size and a
+    positive temperature; returns the checked logits, ids and temperature."""
+    logits = check_float_tensor("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected shape [..., V] with V > 0, got {tuple(logits.shape)}")
+    token_ids = check_tensor("token_ids", token_ids)
+    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids: expected an integer tensor, got dtype {token_ids.dtype}")
+    check_shape("token_ids", token_ids, logits.shape[:-1], "logits.shape[:-1]")
+    _check_chunk(chunk_size)
+    return logits, token_ids, check_positive("temperature", temperature)
+
+
 def entropy_from_logits(
     logits: Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -205,15 +222,7 @@ def logprobs_from_logits(
             ``chunk_size`` / ``temperature``, or a non-finite result (NaN logits, or an
             id whose logit is ``-inf``).
     """
-    logits = check_float_tensor("logits", logits)
-    if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"logits: expected shape [..., V] with V > 0, got {tuple(logits.shape)}")
-    token_ids = check_tensor("token_ids", token_ids)
-    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
-        raise ValueError(f"token_ids: expected an integer tensor, got dtype {token_ids.dtype}")
-    check_shape("token_ids", token_ids, logits.shape[:-1], "logits.shape[:-1]")
-    _check_chunk(chunk_size)
-    temperature = check_positive("temperature", temperature)
+    logits, token_ids, temperature = _check_token_args(logits, token_ids, chunk_size, temperature)
     V = logits.shape[-1]
     ids = token_ids.reshape(-1).long()
     if ids.numel() and bool(((ids < 0) | (ids >= V)).any()):
@@ -493,15 +502,7 @@ def token_logprobs_and_entropy(
         (log-probs, entropy or None), shaped as `token_ids`, float32 (float64 for float64 logits).
         Non-finite values are returned as they are (NaN logits, an id whose logit is -inf).
     """
-    logits = check_float_tensor("logits", logits)
-    if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"logits: expected shape [..., V] with V > 0, got {tuple(logits.shape)}")
-    token_ids = check_tensor("token_ids", token_ids)
-    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
-        raise ValueError(f"token_ids: expected an integer tensor, got dtype {token_ids.dtype}")
-    check_shape("token_ids", token_ids, logits.shape[:-1], "logits.shape[:-1]")
-    _check_chunk(chunk_size)
-    temperature = check_positive("temperature", temperature)
+    logits, token_ids, temperature = _check_token_args(logits, token_ids, chunk_size, temperature)
     if entropy not in ("none", "value", "grad"):
         raise ValueError(f"entropy: expected 'none', 'value' or 'grad', got {entropy!r}")
     if kernel not in KERNELS:
