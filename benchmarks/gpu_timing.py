@@ -185,23 +185,28 @@ def head_bench(vocab: int, rows: int, device: torch.device, repeat: int) -> dict
         except Exception as err:  # noqa: BLE001 - one kernel failing must not stop the others
             out[kernel] = {"error": f"{type(err).__name__}: {err}"[:300]}
         free(device)
-    if "triton" in kernels:
+    if "triton" in kernels:  # a failure falls back to the chunks: its "triton" row timed them
+        out["triton_failure"] = list(E._triton_failure)
         out["triton_blocks"] = triton_block_sweep(base, ids, device, repeat)
     return out
 
 
-FWD_BLOCKS = (2048, 4096, 8192, 16384)
-BWD_BLOCKS = (1024, 2048, 4096, 8192)
+FWD_CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+"""(columns per step, warps) of the Triton forward that `triton_block_sweep` times."""
+BWD_CONFIGS = ((1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 16))
+"""(columns per program, warps) of the Triton backward that `triton_block_sweep` times."""
 
 
 def triton_block_sweep(
     logits: torch.Tensor, ids: torch.Tensor, device: torch.device, repeat: int
 ) -> dict[str, Any]:
-    """The Triton forward (with the entropy) and backward (log-prob term) alone at each block size
-    of `FWD_BLOCKS` / `BWD_BLOCKS` (weir's defaults: logprob_triton.FWD_BLOCK_V / BWD_BLOCK_V):
-    the best of `repeat` runs after one that compiles, in ms, and the bytes each moves over that
-    time (forward: the logits read once; backward: read once, the gradient written once), in GB/s,
-    to set against the GPU's memory bandwidth."""
+    """The Triton forward (with the entropy) and backward (log-prob term) alone at each
+    (block, warps) of `FWD_CONFIGS` / `BWD_CONFIGS` (weir's defaults: logprob_triton.FWD_BLOCK_V
+    and BWD_BLOCK_V, `_warps(block)` warps): the best of `repeat` runs after one that compiles, in
+    ms (CUDA events on a GPU), and the bytes each moves over that time (forward: the logits read
+    once; backward: read once, the gradient written once), in GB/s, to set against the GPU's
+    memory bandwidth. Meaningful at thousands of rows (one program a row in the forward: a few
+    hundred rows leave SMs idle)."""
     from weir.algo import logprob_triton as lt
 
     n, v = logits.shape
@@ -211,31 +216,45 @@ def triton_block_sweep(
         fn()
         times = []
         for _ in range(repeat):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
         return min(times)
 
     m, log_s, _, h = lt.stats(logits, ids, 1.0, True)
     g = torch.ones(n, device=device)
-    out: dict[str, Any] = {"defaults": [lt.FWD_BLOCK_V, lt.BWD_BLOCK_V]}
-    for name, blocks, moved, run in (
-        ("forward", FWD_BLOCKS, n * v * elem, lambda b: lt.stats(logits, ids, 1.0, True, b)),
-        (
-            "backward",
-            BWD_BLOCKS,
-            2 * n * v * elem,
-            lambda b: lt.grad(logits, ids, m, log_s, h, g, None, 1.0, b),
-        ),
+
+    def forward(block: int, warps: int) -> Any:
+        return lt.stats(logits, ids, 1.0, True, block, warps)
+
+    def backward(block: int, warps: int) -> Any:
+        return lt.grad(logits, ids, m, log_s, h, g, None, 1.0, block, warps)
+
+    out: dict[str, Any] = {
+        "rows": n,
+        "defaults": [
+            [lt.FWD_BLOCK_V, lt._warps(lt.FWD_BLOCK_V)],
+            [lt.BWD_BLOCK_V, lt._warps(lt.BWD_BLOCK_V)],
+        ],
+    }
+    for name, configs, moved, run in (
+        ("forward", FWD_CONFIGS, n * v * elem, forward),
+        ("backward", BWD_CONFIGS, 2 * n * v * elem, backward),
     ):
         rows = {}
-        for block in blocks:
+        for block, warps in configs:
             try:
-                s = best(functools.partial(run, block))
-                rows[str(block)] = {"ms": s * 1e3, "gb_s": moved / s / 1e9}
+                s = best(functools.partial(run, block, warps))
+                rows[f"{block}x{warps}"] = {"ms": s * 1e3, "gb_s": moved / s / 1e9}
             except Exception as err:  # noqa: BLE001 - a block that fails must not stop the others
-                rows[str(block)] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                rows[f"{block}x{warps}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
         out[name] = rows
     return out

@@ -647,7 +647,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--response-sigma", type=float, default=0.7)
     ap.add_argument("--response-max", type=int, default=1024)
     ap.add_argument("--micro-batch-tokens", type=int, default=0, help="0: per shape")
-    ap.add_argument("--head-rows", type=int, default=16384)
+    ap.add_argument("--head-rows", type=int, default=16384, help="0: no LM-head part")
     ap.add_argument("--top-kernels", type=int, default=15)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument(
@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i, shape in enumerate(shapes):  # each shape an equal share of what is left
             share = Budget(shapes_budget.left() / (len(shapes) - i))
             report["shapes"][shape] = measure_shape(shape, args, device, env, share, report)
-            if not head_done and shapes_budget.left() > 20:
+            if not head_done and args.head_rows > 0 and shapes_budget.left() > 20:
                 head_done = True
                 report["head"] = head_bench(
                     SHAPES[shape]["vocab_size"], args.head_rows, device, repeat=3

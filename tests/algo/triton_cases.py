@@ -286,10 +286,13 @@ def test_the_gpu_benchmarks_block_sweep_times_every_block(interpret):
         sys.path.remove(bench)
     x, ids = logits(n=4, v=40)
     out = gpu_timing.triton_block_sweep(x, ids, torch.device("cpu"), repeat=1)
-    assert out["defaults"] == [logprob_triton.FWD_BLOCK_V, logprob_triton.BWD_BLOCK_V]
-    for name, blocks in (("forward", gpu_timing.FWD_BLOCKS), ("backward", gpu_timing.BWD_BLOCKS)):
-        assert set(out[name]) == {str(b) for b in blocks}
+    assert out["defaults"] == [[8192, 16], [4096, 8]]
+    for name, configs in (
+        ("forward", gpu_timing.FWD_CONFIGS),
+        ("backward", gpu_timing.BWD_CONFIGS),
+    ):
+        assert set(out[name]) == {f"{b}x{w}" for b, w in configs}
         for row in out[name].values():
             assert row["ms"] > 0 and row["gb_s"] > 0, row
-    assert interpret["stats"] >= 2 * len(gpu_timing.FWD_BLOCKS)  # a compile run, then timed
-    assert interpret["grad"] >= 2 * len(gpu_timing.BWD_BLOCKS)
+    assert interpret["stats"] >= 2 * len(gpu_timing.FWD_CONFIGS)  # a compile run, then timed
+    assert interpret["grad"] >= 2 * len(gpu_timing.BWD_CONFIGS)

@@ -25,6 +25,9 @@ from triton.compiler import ASTSource
 
 from weir.algo import logprob_triton as lt
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import gpu_timing  # noqa: E402 - the block sizes and warps the GPU benchmark sweeps
+
 VOCAB = 151_936  # Qwen2/2.5's: a multiple of 16, as the launcher then marks the strides
 ARCHS = (80, 90)  # A100, H100/H200
 DTYPES = ("fp32", "bf16", "fp16")
@@ -91,7 +94,7 @@ def usage(cubin: bytes) -> dict[str, int]:
     )
 
 
-def build(kernel: str, arch: int, dtype: str, mode: bool, block: int) -> dict:
+def build(kernel: str, arch: int, dtype: str, mode: bool, block: int, warps: int) -> dict:
     fwd, bwd = lt._kernels(False)
     if kernel == "forward":
         fn, sig = fwd, fwd_signature(dtype)
@@ -99,7 +102,6 @@ def build(kernel: str, arch: int, dtype: str, mode: bool, block: int) -> dict:
     else:
         fn, sig = bwd, bwd_signature(dtype)
         consts = {"WITH_GH": mode, "BLOCK_V": block, "ROUND_BY_HAND": False}
-    warps = lt._warps(block)
     compiled = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned(sig)),
         target=GPUTarget("cuda", arch, 32),
@@ -119,20 +121,20 @@ def build(kernel: str, arch: int, dtype: str, mode: bool, block: int) -> dict:
     }
 
 
-def builds() -> list[tuple[str, int, str, bool, int]]:
-    """Every dtype and mode at the default blocks on each arch; the blocks the GPU benchmark
-    sweeps (benchmarks/gpu_timing.py) in bfloat16 on sm_90."""
+def builds() -> list[tuple[str, int, str, bool, int, int]]:
+    """(kernel, arch, dtype, mode, block, warps): every dtype and mode at the default blocks on
+    each arch; the (block, warps) the GPU benchmark sweeps (benchmarks/gpu_timing.py) in
+    bfloat16 on sm_90."""
     out = [
-        (k, arch, dt, mode, block)
+        (k, arch, dt, mode, block, lt._warps(block))
         for arch in ARCHS
         for dt in DTYPES
         for k, block in (("forward", lt.FWD_BLOCK_V), ("backward", lt.BWD_BLOCK_V))
         for mode in (False, True)
     ]
-    sweep = [("forward", b) for b in (2048, 4096, 16384)] + [
-        ("backward", b) for b in (1024, 2048, 8192)
-    ]
-    return out + [(k, 90, "bf16", True, b) for k, b in sweep]
+    sweep = [("forward", *c) for c in gpu_timing.FWD_CONFIGS]
+    sweep += [("backward", *c) for c in gpu_timing.BWD_CONFIGS]
+    return out + [(k, 90, "bf16", True, b, w) for k, b, w in sweep]
 
 
 def main() -> int:
@@ -142,7 +144,9 @@ def main() -> int:
             row = build(*case)
         except Exception as err:  # noqa: BLE001 - report every build, then fail
             failed += 1
-            row = dict(zip(("kernel", "arch", "dtype", "mode", "block"), case, strict=True))
+            row = dict(
+                zip(("kernel", "arch", "dtype", "mode", "block", "warps"), case, strict=True)
+            )
             row["error"] = f"{type(err).__name__}: {err}"[:2000]
         print(json.dumps(row), flush=True)
     return 1 if failed else 0

@@ -178,3 +178,58 @@ def test_compiled_layers_leave_a_deep_copy_uncompiled():
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     twin = copy.deepcopy(model)
     assert all(layer._compiled_call_impl is None for layer in twin.model.layers)
+
+
+def test_a_forward_with_a_kv_cache_runs_uncompiled_and_leaves_the_graph_to_training(monkeypatch):
+    """The `prefix` layout's forwards carry a KV cache; through compiled layers Dynamo guarded on
+    the cache entry of each layer's index, so each layer took a graph of its own until the eighth
+    hit `recompile_limit`, and every later call that missed those graphs ran uncompiled: the
+    training forwards of an FSDP2 rank, which probes `prefix` at its first forward, ran eagerly
+    (a GPU run's log: "hit config.recompile_limit (8)", last reason
+    `past_key_values.layers[7].is_initialized`). Twelve layers, more than the limit: the prefix
+    forward compiles nothing, and the padded forward after it runs one compiled graph for all."""
+    import torch._dynamo
+
+    from weir.train.packing import padded_response_logprobs
+    from weir.train.prefix_pass import prefix_response_logprobs
+
+    graphs, calls = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()  # the layer's code object shares Dynamo's cache across the process
+    monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": counting})
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    eager = copy.deepcopy(model)
+    assert apply_fusion("compile", model, CPU).route == "compile"
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [13, 14, 15, 16]]
+    lens = [3, 2, 2]
+    try:
+        with torch.no_grad():
+            got = prefix_response_logprobs(model, seqs, lens).logprobs
+            want = prefix_response_logprobs(eager, seqs, lens).logprobs
+            assert graphs == [] and calls == []
+            padded = padded_response_logprobs(model, seqs, lens).logprobs
+            assert len(graphs) == 1 and len(calls) == 12  # every layer ran the one graph
+            padded_eager = padded_response_logprobs(eager, seqs, lens).logprobs
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(padded, padded_eager, atol=1e-6, rtol=0)

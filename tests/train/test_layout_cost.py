@@ -244,3 +244,54 @@ def test_an_actor_step_in_varlen_trains_what_the_padded_step_trains():
         assert sv[key] == pytest.approx(sp[key], rel=1e-4, abs=1e-6), key
     auto = Actor(model, ActorSettings.from_config(build_config({}, ["train.packing=auto"])))
     assert auto.layouts.candidates == ["prefix", "varlen", "padded"]
+
+
+def _shared(prompt: int, response: int, n: int, prompts: int = 16, seed: int = 0):
+    rnd = random.Random(seed)
+    seqs, lens = [], []
+    for _ in range(prompts):
+        p = [rnd.randrange(1000) for _ in range(prompt)]
+        for _ in range(n):
+            seqs.append(p + [rnd.randrange(1000) for _ in range(response)])
+            lens.append(response)
+    return seqs, lens
+
+
+def test_with_compiled_layers_prefix_pays_for_running_uncompiled():
+    """`train.fuse=compile` runs `prefix`'s forwards (they carry a KV cache) uncompiled, and a
+    whole step uncompiled costs `UNCOMPILED_STEP` = 1.35x (the smaller gain an H200 measured).
+    Equal 128-token answers to 128-token prompts: prefix models at 0.80x varlen's cost, 1.08x
+    once uncompiled, so varlen runs; 1,024-token prompts shared by 8 answers of 128: 0.37x, 0.50x
+    uncompiled, prefix still runs. Only prefix's price moves."""
+    assert layout_cost.UNCOMPILED_STEP == 1.35
+    prices = _gpu_prices("0.5b")
+    compiled = CostModel(**{**prices.__dict__, "prefix_factor": layout_cost.UNCOMPILED_STEP})
+    every = ["prefix", "varlen", "padded"]
+    for (seqs, lens), plain, fused in (
+        (_shared(128, 128, 8, prompts=32), "prefix", "varlen"),
+        (_shared(1024, 128, 8), "prefix", "prefix"),
+    ):
+        for layout in every:
+            a = cost(layout, seqs, lens, 16384, prices, one_pass=True).total
+            b = cost(layout, seqs, lens, 16384, compiled, one_pass=True).total
+            assert b == pytest.approx(a * (1.35 if layout == "prefix" else 1.0))
+        assert cheapest_layout(every, seqs, lens, 16384, prices, one_pass=True)[0] == plain
+        assert cheapest_layout(every, seqs, lens, 16384, compiled, one_pass=True)[0] == fused
+
+
+def test_an_actor_prices_prefix_by_its_fusion(monkeypatch):
+    """The actor chooses its candidates before it fuses (the probes run uncompiled), then prices
+    them by the route taken: `compile` makes prefix dearer, `off` leaves it."""
+    from weir.algo.logprob_triton import c_compiler
+    from weir.train import fuse
+
+    if c_compiler() is None:
+        pytest.skip("no C compiler here: the compile route is refused")
+    monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": "eager"})
+    factors = {}
+    for route in ("off", "compile"):
+        cfg = build_config({}, [f"train.fuse={route}", "rollout.batch_prompts=2", "rollout.n=4"])
+        actor = Actor(_tiny(0), ActorSettings.from_config(cfg))
+        assert actor.fusion.route == route
+        factors[route] = actor.layouts.prices.prefix_factor
+    assert factors == {"off": 1.0, "compile": layout_cost.UNCOMPILED_STEP}

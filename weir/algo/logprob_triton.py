@@ -7,8 +7,8 @@ logit several times). The values are those of `_stats_chunk` / `_grad_chunk` in 
 non-finite logits included, up to float32 rounding (another summation order, and the GPU's
 approximate exp and log).
 
-Forward, per row, with ``z = x (1 / T)`` in float32 (the reciprocal, as torch's CUDA division by
-a scalar takes it), streaming over blocks of ``BLOCK_V`` columns
+Forward, per row, with ``z = x (1 / T)`` in float32 (the float32 reciprocal, as torch's CUDA
+division by a scalar takes it), streaming over blocks of ``BLOCK_V`` columns
 (online softmax): the running shift ``c`` (the row maximum so far; 0 while it is +-inf, as
 `torch.logsumexp` takes it), ``s = sum_v exp(z_v - c)`` and ``t = sum_v exp(z_v - c) (z_v - c)``
 (terms with ``exp = 0`` count 0: an -inf logit would give 0 * -inf), both rescaled by
@@ -200,17 +200,29 @@ def _block(v: int, block_v: int) -> int:
     return min(block_v, max(16, 1 << (v - 1).bit_length()))
 
 
+def _reciprocal(temperature: float) -> float:
+    """1 / T as torch's CUDA division of float32 logits by T takes it: float32(1 / float32(T))
+    (Python's 1.0 / T, rounded to float32 at the launch, is one rounding off for some T)."""
+    return torch.tensor(temperature, dtype=torch.float32).reciprocal().item()
+
+
 def _warps(block: int) -> int:
     """16 columns per thread (8192: 16 warps, 4096: 8)."""
     return max(1, min(16, block // 512))
 
 
 def stats(
-    logits: Tensor, ids: Tensor, temperature: float, entropy: bool, block_v: int | None = None
+    logits: Tensor,
+    ids: Tensor,
+    temperature: float,
+    entropy: bool,
+    block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Per row of `logits` [N, V] (float32 / bfloat16 / float16): m, log s, the log-prob of
     `ids` [N] and, with `entropy`, H (None without); float32 [N]. `block_v`: columns per step of
-    the row loop, a power of two (default `FWD_BLOCK_V`; tests take small ones)."""
+    the row loop, a power of two (default `FWD_BLOCK_V`; tests take small ones); `num_warps`:
+    default `_warps(block)` (the benchmark sweeps both)."""
     x = _rows(logits)
     n, v = x.shape
     block = _block(v, block_v or FWD_BLOCK_V)
@@ -227,11 +239,11 @@ def stats(
                 out[1],
                 out[2],
                 h,
-                1.0 / temperature,
+                _reciprocal(temperature),
                 V=v,
                 WITH_H=entropy,
                 BLOCK_V=block,
-                num_warps=_warps(block),
+                num_warps=num_warps or _warps(block),
             )
     return out[0], out[1], out[2], out[3] if entropy else None
 
@@ -246,10 +258,12 @@ def grad(
     g_h: Tensor | None,
     temperature: float,
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
     """The gradient of ``sum(g_logp * logp + g_h * H)`` with respect to `logits` [N, V], in the
     logits' dtype, from the forward's m, log s and H (`stats`); without `g_h` (or `h`) the
-    log-probs' term alone. `block_v`: columns per program (default `BWD_BLOCK_V`)."""
+    log-probs' term alone. `block_v`: columns per program (default `BWD_BLOCK_V`); `num_warps`:
+    default `_warps(block)`."""
     x = _rows(logits)
     n, v = x.shape
     out = torch.empty(n, v, dtype=x.dtype, device=x.device)
@@ -273,10 +287,10 @@ def grad(
                 g,
                 gh,
                 v,
-                1.0 / temperature,
+                _reciprocal(temperature),
                 WITH_GH=with_gh,
                 BLOCK_V=block,
                 ROUND_BY_HAND=interpreting() and x.dtype == torch.bfloat16,
-                num_warps=_warps(block),
+                num_warps=num_warps or _warps(block),
             )
     return out

@@ -126,6 +126,8 @@ class Actor(ProcessHooks):
         else:
             self.kl_ctl = algo.FixedKLController(kl.coef)
         self.fusion = apply_fusion(self.tcfg.fuse, self.model, self.device)
+        if self._layouts is not None and self.fusion.route == "compile":  # prefix runs uncompiled
+            self._layouts = self._layout_choice(self._layouts.candidates)
         if self.ref is not None:  # a deep copy: uncompiled, and unfused if made before
             apply_fusion(self.tcfg.fuse, self.ref, self.device, quiet=True)
         self.skipped_updates = 0

@@ -79,7 +79,11 @@ class ProcessHooks:
     def _layout_choice(self, candidates: list[Layout]) -> LayoutChoice:
         # the dtype attention computes in: autocast's, or FSDP2's cast of the gathered shards
         compute = getattr(self, "_compute", None) or self.precision.compute_dtype
-        return layout_choice(self.model, candidates, self.device, compute, self.prefix_one_pass)
+        fusion = getattr(self, "fusion", None)
+        compiled = fusion is not None and fusion.route == "compile"
+        return layout_choice(
+            self.model, candidates, self.device, compute, self.prefix_one_pass, compiled
+        )
 
     def _reference(self, model: torch.nn.Module) -> torch.nn.Module:
         """The frozen reference policy for KL: a copy of the initial model."""

@@ -9,16 +9,18 @@ Two routes, each applied to the trainer's model in place before its first forwar
   also replaces in the modeling module, for the whole process, is put back (RoPE with it), and an
   engine's copy of the model runs the plain modules (weir.train.liger_scope). Its log-prob and loss
   kernels are not used: the trainer computes its own.
-- `compile`: regional `torch.compile` of each decoder layer (`Module.compile`: one compiled graph
+- `compile`: regional `torch.compile` of each decoder layer (as `Module.compile`: one compiled graph
   shared by all layers, the token dimension dynamic): any architecture, but Inductor needs a C compiler
-  (and Triton on CUDA) and tens of seconds to compile at the first step.
+  (and Triton on CUDA) and tens of seconds to compile at the first step. A forward carrying a KV
+  cache (the `prefix` layout) runs the layers uncompiled (`_compile_layer` says why).
 
 `auto` takes `compile` where it can run, else `liger` where it applies, on CUDA: on one H100
 (2026-11-27, a compute copy) compiled layers trained the Qwen2.5-0.5B shape at 0.51-0.59 s a step
 against 0.78-0.83 s for the old defaults (autocast, unfused), and on an H200 beat Liger's kernels
 at both shapes (0.45 against 0.51 s at 0.5B, 1.13 against 1.21 s at 1.5B; docs/dev/gpu-runs.md).
 `auto` fuses nothing on a CPU (compiling there took minutes, docs/dev/engine-speed.md), on an
-FSDP2 rank and on a LoRA model (`_auto_holds_off`: not faster, or not checked on a GPU). A route
+FSDP2 rank and on a LoRA model (`_auto_holds_off`: not measured faster, or not checked on a GPU;
+the one FSDP2 comparison, on an H100, ran its compiled layers uncompiled, see `_compile_layer`). A route
 asked for that cannot run falls back to the next (`liger` -> `compile` -> `off`; `compile` ->
 `off`), and the fallback and its reason are logged once. A peft (LoRA) model is fused through its
 base model's modules.
@@ -93,8 +95,8 @@ def _auto_holds_off(model: torch.nn.Module) -> str | None:
 
     if isinstance(model, FSDPModule):
         return (
-            "an FSDP2 rank (on one H100 neither route made its step faster, and compiling took "
-            "61 s); set train.fuse=liger or compile to use one"
+            "an FSDP2 rank (no route measured faster there yet); set train.fuse=liger or "
+            "compile to use one"
         )
     if _unwrapped(model) is not model:
         return (
@@ -127,6 +129,35 @@ def choose_fusion(mode: str, model: torch.nn.Module, device: torch.device) -> Fu
     return Fusion("off", "; ".join(reasons))
 
 
+def _holds_cache(args: tuple, kwargs: dict) -> bool:
+    """Whether a decoder layer's call carries a KV cache (transformers' `Cache`)."""
+    from transformers.cache_utils import Cache
+
+    return any(isinstance(a, Cache) for a in (*args, *kwargs.values()))
+
+
+def _compile_layer(layer: torch.nn.Module) -> None:
+    """`layer.compile()`, except that a call carrying a KV cache runs uncompiled.
+
+    A forward with a cache (the `prefix` layout's two passes and its start-up probe, an engine
+    decoding on the trainer's modules) makes Dynamo guard on the state of the cache's entry for
+    that layer's index, so each layer needs its own graph: the eighth recompile hits Dynamo's
+    limit (`recompile_limit`, 8), and from then on every call that misses the graphs compiled so
+    far runs uncompiled, the training forwards too when they come after the cache's (an FSDP2
+    rank probes `prefix` at its first forward: its compiled training step ran eagerly). The calls
+    without a cache (`varlen`, `padded`) share one graph. Set as `_compiled_call_impl`, as
+    `Module.compile` does, so that a deep copy (the reference policy, an engine's copy), which
+    drops it, runs uncompiled on its own weights (a compiled bound `forward` would run the
+    original's)."""
+    eager = layer._call_impl
+    compiled = torch.compile(eager, **COMPILE_OPTIONS)
+
+    def call(*args, **kwargs):
+        return (eager if _holds_cache(args, kwargs) else compiled)(*args, **kwargs)
+
+    layer._compiled_call_impl = call
+
+
 def apply_fusion(
     mode: str, model: torch.nn.Module, device: torch.device, *, quiet: bool = False
 ) -> Fusion:
@@ -139,9 +170,7 @@ def apply_fusion(
         apply_liger(_unwrapped(model))
     elif fusion.route == "compile":
         for layer in _decoder_layers(model):
-            # `Module.compile`: a deep copy of the model (the reference policy, an engine's copy)
-            # is left uncompiled, where a compiled bound `forward` would run the original's
-            layer.compile(**COMPILE_OPTIONS)
+            _compile_layer(layer)
     if quiet:
         return fusion
     asked_for_more = mode not in ("off", fusion.route) and not fusion.held

@@ -7,6 +7,9 @@ units of one token through the decoder stack (forward and backward, ``6 N_dec`` 
     cost = tokens + head_row * head_rows + attn_pair * pairs * (masked ? masked_attn : 1)
            + pass_tokens * forwards + seq_tokens * per-sequence attention calls
 
+(times `UNCOMPILED_STEP` for `prefix` where the decoder layers are compiled: its forwards carry a
+KV cache, and the compiled layers run those uncompiled)
+
 - `tokens`: positions the decoder runs, padding included (`padded` pads each micro-batch to its
   longest sequence; `prefix` runs each prompt once, then the responses padded to the longest of
   their pass; `varlen` runs exactly the tokens);
@@ -42,7 +45,7 @@ noise, and changes no choice on the batches of tests/train/test_layout_cost.py.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +60,12 @@ Bandwidth-bound on a GPU (about 144 bytes per logit unfused, docs/trainer-step.m
 GPU_PASS_TOKENS = 1024
 """One more forward and backward on a GPU, in tokens: its kernel launches (not measured apart; see
 the module docstring for what the GPU prices were checked against)."""
+UNCOMPILED_STEP = 1.35
+"""A step's cost with the decoder layers uncompiled against `train.fuse=compile`'s compiled ones:
+what `prefix` pays there, its forwards carrying a KV cache, which the compiled layers run
+uncompiled (`weir.train.fuse`). The smaller of the two gains measured on an H200 (2026-11-27,
+compute copy, docs/trainer-step.md): 0.636 s -> 0.450 s a step at the Qwen2.5-0.5B shape (1.41x),
+1.536-1.564 s -> 1.128-1.150 s at 1.5B (1.34-1.39x)."""
 SEQUENCE_CALL_TOKENS = 14
 """varlen's per-sequence SDPA body (a CPU, float32): one sequence's attention call in one layer,
 forward and backward, in tokens. Measured on weir's tiny model on a CPU (benchmarks/layouts.py:
@@ -73,6 +82,8 @@ class CostModel:
     masked_attn: float = 1.5
     pass_tokens: float = RESPONSE_PASS_TOKENS
     seq_tokens: float = 0.0
+    prefix_factor: float = 1.0
+    """The whole of prefix's cost times this: `UNCOMPILED_STEP` where the layers are compiled."""
 
     @classmethod
     def for_model(
@@ -201,7 +212,7 @@ def layout_cost(
         + prices.attn_pair * (pairs + prices.masked_attn * masked)
         + prices.pass_tokens * forwards
         + prices.seq_tokens * calls
-    )
+    ) * (prices.prefix_factor if layout == "prefix" else 1.0)
     return LayoutCost(tokens, head, pairs, masked, forwards, calls, total)
 
 
@@ -269,13 +280,17 @@ def layout_choice(
     device: torch.device,
     compute_dtype: torch.dtype,
     one_pass: bool,
+    compiled: bool = False,
 ) -> LayoutChoice:
     """The `LayoutChoice` of a trainer of `model` on `device` computing in `compute_dtype`:
-    priced by whether varlen runs the FlashAttention kernel there, and with `prefix` in one pass
-    where the trainer runs it so (`one_pass`: FSDP ranks) or off a CPU (`weir.train.prefix_pass`)."""
+    priced by whether varlen runs the FlashAttention kernel there, with `prefix` in one pass
+    where the trainer runs it so (`one_pass`: FSDP ranks) or off a CPU (`weir.train.prefix_pass`),
+    and `prefix` dearer by `UNCOMPILED_STEP` where the layers are `compiled` (`train.fuse`)."""
     from weir.train.varlen import flash_runs
 
     head_dim = getattr(model.config, "head_dim", None) or 64
     flash = flash_runs(device, compute_dtype, head_dim)
     prices = CostModel.for_model(model, device, varlen_flash=flash)
+    if compiled:
+        prices = replace(prices, prefix_factor=UNCOMPILED_STEP)
     return LayoutChoice(candidates, prices, one_pass=one_pass or device.type != "cpu")

@@ -500,7 +500,8 @@ def _probe(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # uncompiled (`train.fuse=compile`): the probe's shapes would cost compiles of their own
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             mine = response_logprobs(model, seqs, lens, layout=layout).logprobs
             ref = padded_response_logprobs(model, seqs, lens).logprobs
     except Exception as err:  # an architecture whose forward takes no shared cache / no kwargs
