@@ -665,7 +665,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--ray-modes",
         default="",
-        help="with --ray, also these colocated configurations: defaults, resident (comma-separated)",
+        help="with --ray, also these (comma-separated): defaults, resident (colocated "
+        "configurations), fsdp_compile (the one-rank FSDP2 step with compiled layers)",
     )
     ap.add_argument("--out", default="gpu_trainer.json")
     args = ap.parse_args(argv)

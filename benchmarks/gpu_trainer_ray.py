@@ -95,7 +95,11 @@ def _overrides(args, shape: str, device: torch.device, batch, ray: bool) -> list
 
 # further colocated configurations than the full hand-over above (`--ray-modes`): `defaults` the
 # engine frees its KV cache but keeps its weights (engine.sleep_offload_weights=false, the default),
-# the trainer still offloads; `resident` nothing moves (both fit on the device)
+# the trainer still offloads; `resident` nothing moves (both fit on the device); and FSDP_COMPILE
+FSDP_COMPILE = "fsdp_compile"
+"""A further `--ray-modes` entry, not a Ray run: the one-rank FSDP2 step with `train.fuse=compile`
+(`auto` leaves an FSDP2 rank unfused until this is measured faster; the one H100 comparison ran
+its compiled layers uncompiled, weir.train.fuse._compile_layer)."""
 RAY_MODES = {
     "defaults": ["engine.sleep_offload_weights=false"],
     "resident": [
@@ -233,6 +237,17 @@ def measure(args, device: torch.device, seconds: float) -> dict[str, Any]:
         for mode in [m for m in getattr(args, "ray_modes", "").split(",") if m]:
             if time.perf_counter() - start > seconds * 0.7:
                 out[f"ray_{mode}"] = {"skipped": "budget"}
+                continue
+            if mode == FSDP_COMPILE:  # not a Ray run: the one-rank FSDP2 step, layers compiled
+                cfg = _overrides(args, shape, device, batch, ray=False) + ["train.fuse=compile"]
+                try:
+                    row = _local(
+                        model_dir, build_config({}, cfg), batch, device, steps, warm, sharded=True
+                    )
+                except Exception as err:  # noqa: BLE001 - a diagnostic: report and go on
+                    row = {"error": f"{type(err).__name__}: {err}"[:300]}
+                out[mode] = row
+                print(f"{mode}:", row, flush=True)
                 continue
             cfg = _overrides(args, shape, device, batch, ray=True) + RAY_MODES[mode]
             try:

@@ -10,7 +10,8 @@
 #    then the 0.5B defaults again in a process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #    (the allocator's cudaMalloc calls over the timed steps are printed beside each figure);
 # 3. the colocated Ray step (engine weights parked in host memory, the lazy wake) and with the
-#    engine keeping its weights (the default), and the weight sync's seconds per GB;
+#    engine keeping its weights (the default), and the weight sync's seconds per GB; then, if time
+#    is left, the one-rank FSDP2 step with compiled layers (fsdp_compile);
 # 4. the LoRA and colocated-Ray GPU tests, which had not passed on the code since 2026-11-27.
 #
 # Each step runs under `timeout` and writes to $OUT; what it printed is summed up at the end.
@@ -40,7 +41,7 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 60 python3 benchmarks/g
   --shapes 0.5b --budget-s 55 --no-profile --parts "" --variants "" --head-rows 0 \
   --out "$OUT/gpu_trainer_expandable.json" >"$OUT/gpu_trainer_expandable.log" 2>&1
 echo "bench expandable_segments rc=$? $(el) s" | tee -a "$OUT/times.txt"
-timeout 165 python3 benchmarks/gpu_trainer.py --shapes "" --ray --ray-modes defaults --budget-s 160 \
+timeout 165 python3 benchmarks/gpu_trainer.py --shapes "" --ray --ray-modes defaults,fsdp_compile --budget-s 160 \
   --out "$OUT/gpu_trainer_ray.json" >"$OUT/gpu_trainer_ray.log" 2>&1
 echo "ray rc=$? $(el) s" | tee -a "$OUT/times.txt"
 timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests/gpu/test_lora_gpu.py \
@@ -54,5 +55,5 @@ if [ "$left" -gt 60 ]; then
 fi
 cat "$OUT/device.txt"
 for f in head_tests lora_tests colocated_tests; do [ -f "$OUT/$f.log" ] && tail -n 2 "$OUT/$f.log"; done
-grep -hE "^target|main:|variant|train.fuse|^ray step|^head" "$OUT/gpu_trainer.log" \
+grep -hE "^target|main:|variant|train.fuse|^ray step|^head|^one FSDP2|^fsdp_compile|^local:" "$OUT/gpu_trainer.log" \
   "$OUT/gpu_trainer_expandable.log" "$OUT/gpu_trainer_ray.log"
