@@ -344,6 +344,9 @@ def run_config(
         out["grad_norm"] = runs[-1][2].get("train/grad_norm") if runs else None
         out.update(layout_report(actor, batch, cfg.train.micro_batch_tokens))  # after the steps
         out["liger_in_process"] = liger_in_process()
+        fell_back = kernel_failures()
+        if fell_back:  # the figures are the eager chunks', whatever `train` asked for
+            out["kernel_failures"] = fell_back
         if profile:
             out["profile"] = profile_step(actor, batch, device, args.top_kernels)
     finally:
@@ -352,6 +355,18 @@ def run_config(
     if out.get("step_s"):
         out.update(figures(shape, batch, params, out["step_s"], env["peak_bf16"]))
     return out
+
+
+def kernel_failures() -> dict[str, str]:
+    """Why the compiled or Triton log-prob kernels failed in this process, if they did: they fall
+    back to the eager chunks for the rest of it (weir.algo.entropy), silently for a figure."""
+    from weir.algo import entropy as E
+
+    found = {
+        "compiled": getattr(E, "_compile_failure", []),
+        "triton": getattr(E, "_triton_failure", []),
+    }
+    return {k: v[0] for k, v in found.items() if v}
 
 
 def allocator_counts(device: torch.device) -> dict[str, int]:
@@ -553,10 +568,12 @@ def summary(row: dict[str, Any]) -> str:
     peak = "" if row.get("peak_gb") is None else f", peak {row['peak_gb']:.1f} GB"
     alloc = row.get("allocator") or {}
     mallocs = f", cudaMalloc {alloc['num_device_alloc']}" if alloc.get("num_device_alloc") else ""
+    failed = row.get("kernel_failures")
+    failed = f", FELL BACK to the eager head: {failed}" if failed else ""
     return (
         f"[{row['layout']}] {warm}steps {', '.join(f'{s:.3f}' for s in row['step_s'])} s, "
         f"{row['tok_s']:,.0f} tok/s, MFU model {pct(row['mfu_model'])} / 6ND "
-        f"{pct(row['mfu_6nd'])} / verl {pct(row['mfu_verl'])}{peak}{mallocs}"
+        f"{pct(row['mfu_6nd'])} / verl {pct(row['mfu_verl'])}{peak}{mallocs}{failed}"
     )
 
 

@@ -146,3 +146,60 @@ def test_one_kv_budget_key_sizes_every_engine(tiny_model_dir):
     assert _flag(argv, "--max-total-tokens") == str(tokens)
     assert _flag(argv, "--mem-fraction-static") == "0.6"
     assert kv_pool_tokens(str(tiny_model_dir), "bfloat16", None) is None
+
+
+class _Process:
+    """A stand-in for a server process weir started: alive or exited."""
+
+    def __init__(self, url: str, alive: bool) -> None:
+        self.url, self._alive, self.stopped = url, alive, False
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def wait_ready(self, should_stop=None) -> None:
+        raise EngineStartError(f"{self.url} did not come back")  # stays down in this test
+
+    def restart(self, should_stop=None) -> None:
+        self.wait_ready()
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_server_that_exited_before_a_weight_update_is_left_out_and_restarted(tmp_path, caplog):
+    """A server killed while the trainer trained is still marked healthy when the weights go out
+    (no request has failed on it yet); a broadcast that includes it fails the whole update (a
+    full-suite run's `test_vllm_on_ray`: "weight sync: delivery failed ... Connection closed by
+    peer"). The update now goes to the servers whose process lives; the exited one is marked down
+    and handed to recovery, with a warning naming it."""
+    import logging
+
+    from weir.engine.server_engine import ServerEngine
+    from weir.engine.servers import Replica
+
+    class Backend:
+        name = "vllm"
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    replicas = [
+        Replica(u, _Process(u, alive)) for u, alive in zip(urls, (True, False), strict=True)
+    ]
+    engine = ServerEngine(
+        Backend(), replicas, eos_token_ids=[1], max_model_len=64, weights_dir=tmp_path, watch_s=0
+    )
+    loaded: list[list[int]] = []
+
+    async def load(targets):
+        loaded.append([i for i, _ in targets])
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="weir.engine.server_engine"):
+            engine.update_with_sync(load, 3)
+        assert loaded == [[0]] and engine.version == 3
+        assert engine.healthy == [True, False]
+        assert any(urls[1] in r.getMessage() and "exited" in r.getMessage() for r in caplog.records)
+        engine.update_with_sync(load, 4)  # down: not a target until it is back
+        assert loaded[-1] == [0] and engine.version == 4
+    finally:
+        engine.close()

@@ -120,3 +120,28 @@ def test_a_variants_patch_holds_for_its_run_only(bench):
         assert entropy._COMPILE_OPTIONS == {"dynamic": None}
         raise RuntimeError("the run failed")
     assert before == (fuse.COMPILE_OPTIONS, entropy._COMPILE_OPTIONS)
+
+
+def test_a_kernel_fallback_is_named_beside_the_figures(bench, monkeypatch):
+    """A compiled or Triton log-prob kernel that fails falls back to the eager chunks for the rest
+    of the process: a row timed after that says so, or `copy_compile_triton` would report the
+    chunks' time as the Triton kernel's."""
+    from weir.algo import entropy as E
+
+    monkeypatch.setattr(E, "_triton_failure", [])
+    monkeypatch.setattr(E, "_compile_failure", [])
+    assert bench.kernel_failures() == {}
+    monkeypatch.setattr(E, "_triton_failure", ["CompilationError: at 12:4"])
+    assert bench.kernel_failures() == {"triton": "CompilationError: at 12:4"}
+    row = {
+        "layout": "varlen",
+        "step_s": [0.5],
+        "tok_s": 1e5,
+        "mfu_model": 0.3,
+        "mfu_6nd": 0.32,
+        "mfu_verl": 0.4,
+        "kernel_failures": bench.kernel_failures(),
+    }
+    assert "FELL BACK to the eager head: {'triton': 'CompilationError: at 12:4'}" in (
+        bench.summary(row)
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 __all__ = ["Recovery", "WeightsNotReady"]
 
@@ -42,15 +43,37 @@ class Recovery:
                 if replica.owned and idle and not await asyncio.to_thread(self._alive, i):
                     await self._lost(i)
 
+    async def _serves(self, i: int) -> bool:
+        """Whether replica `i`'s process (if weir started it) lives and it answers /health."""
+        from weir.engine.servers import http_ok
+
+        return await asyncio.to_thread(self._alive, i) and await asyncio.to_thread(
+            http_ok, self.replicas[i].url + "/health"
+        )
+
+    async def _survivors(self, targets: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """Of `targets` ((index, replica) pairs a weight update is about to go to), those whose
+        process lives (a server weir did not start counts as alive); the others are marked down
+        and restarted (no longer awaiting weights), with a warning. Only the process: a /health
+        that a loaded machine answers late would restart a server that serves."""
+        alive = [await asyncio.to_thread(self._alive, i) for i, _ in targets]
+        for (i, replica), ok in zip(targets, alive, strict=True):
+            if not ok:
+                log.warning(
+                    "%s server %s exited before a weight update; it restarts and gets the "
+                    "weights when it is back",
+                    self.backend.name,
+                    replica.url,
+                )
+                self.awaiting.discard(i)
+                await self._lost(i)
+        return [t for t, ok in zip(targets, alive, strict=True) if ok]
+
     async def _lost(self, i: int) -> None:
         """Mark replica `i` down and restart it in the background (once)."""
         if not self.healthy[i] and i in self._recovering:
             return
-        from weir.engine.servers import http_ok
-
-        if await asyncio.to_thread(self._alive, i) and await asyncio.to_thread(
-            http_ok, self.replicas[i].url + "/health"
-        ):
+        if await self._serves(i):
             return  # a transient error: the server still serves
         self.healthy[i] = False
         if i not in self._recovering:

@@ -3,7 +3,10 @@
 Part of `weir.engine.server_engine.ServerEngine` (a mixin: the methods use the engine's state and
 loop). Every update pauses the streams in flight (their tokens kept), has every live server (and
 any restarted one waiting for weights, `awaiting`) load the new weights, sets the version and
-resumes: tokens before the update carry the old version, tokens after it the new one. How the
+resumes: tokens before the update carry the old version, tokens after it the new one. A server
+weir started whose process has exited when an update starts is marked down and restarted, and
+gets the weights when it is back (a broadcast to it would fail the update); one that dies during
+the update fails it. How the
 weights travel is the caller's: a safetensors directory each server reads (`update_weights`,
 `load_weights_from_disk`), a LoRA adapter (`update_adapter_sync`), or any loader coroutine
 (`update_with_sync`: weir.sync.server_sync streams the trainer's shards over a torch.distributed
@@ -114,6 +117,7 @@ class WeightUpdates:
                     for i, r in enumerate(self.replicas)
                     if self.healthy[i] or i in self.awaiting
                 ]
+                targets = await self._survivors(targets)  # died since its last request
                 await load(targets)
                 for i, _ in targets:
                     if i in self.awaiting:  # restarted, back with these weights
