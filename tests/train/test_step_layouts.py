@@ -357,3 +357,11 @@ def test_prefix_is_on_exactly_where_it_equals_padded_on_real_architectures(
         out[layout] = (res.logprobs.detach(), torch.cat(grads))
     assert torch.allclose(out["prefix"][0], out["padded"][0], atol=1e-5)
     assert torch.allclose(out["prefix"][1], out["padded"][1], atol=1e-4, rtol=1e-4)
+
+
+def test_one_token_answers_keep_their_prompt_group_whole():
+    """One-token answers run no response pass (the prompt pass predicts them), so they cost the
+    group nothing beyond its prompt: a 15-token prompt with two of them fits a 16-token budget
+    in one micro-batch (hypothesis found them split, each row in a micro-batch of its own)."""
+    seqs = [[1] * 15 + [2], [1] * 15 + [3]]
+    assert prefix_micro_batches(seqs, [1, 1], 16) == [[0, 1]]

@@ -129,7 +129,8 @@ def prefix_micro_batches(
     units: list[tuple[int, list[int]]] = []
     for prompt, rows in groups.items():
         rows = sorted(rows, key=lambda i: (-response_lengths[i], i))
-        chunk = max(1, (budget - len(prompt)) // max(1, response_lengths[rows[0]] - 1))
+        run = response_lengths[rows[0]] - 1  # response tokens a row runs (one-token: none)
+        chunk = len(rows) if run <= 0 else max(1, (budget - len(prompt)) // run)
         units += [(len(prompt), rows[k : k + chunk]) for k in range(0, len(rows), chunk)]
     units.sort(key=lambda u: (-(u[0] + response_lengths[u[1][0]]), u[1][0]))
     bins: list[list[int]] = []
