@@ -73,3 +73,21 @@ def excess(
         k: {"one": v["one"], "three": v["three"], "mean": v["sum"] / x.numel()}
         for k, v in out.items()
     }
+
+
+NON_FINITE_ROWS = (1, 2, 3, 4, 6)
+"""The rows `make_non_finite` changes; the others stay finite."""
+
+
+def make_non_finite(logits: torch.Tensor, ids: torch.Tensor) -> None:
+    """In place, the non-finite cases the fused head must answer as the reference does (needs at
+    least 7 rows and 41 columns): row 1 all -inf (logp and H NaN), a +inf in row 2 (logp -inf,
+    H NaN), a NaN in row 3 (all NaN), a +inf at row 4's token (logp NaN: inf - inf), a -inf at
+    row 6's token (logp -inf)."""
+    logits[1] = float("-inf")
+    logits[2, 20] = float("inf")
+    logits[3, 30] = float("nan")
+    logits[4, 40] = float("inf")
+    ids[4] = 40
+    logits[6, 12] = float("-inf")
+    ids[6] = 12

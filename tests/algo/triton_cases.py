@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.head_rounding import make_non_finite
 from weir.algo import entropy as E
 from weir.algo import entropy_from_logits, logprob_triton, logprobs_from_logits
 from weir.algo import token_logprobs_and_entropy as fused
@@ -173,13 +174,7 @@ def test_non_finite_logits_give_what_the_reference_gives(interpret, block):
     (NaN, +-inf in the same places); the gradient is the eager chunks' (NaN rows alike; the
     reference's entropy gradient is NaN across a row with +inf, the fused one 0 where p = 0)."""
     base, ids = logits(8, 50)
-    base[1] = float("-inf")  # logp and H NaN
-    base[2, 20] = float("inf")  # logp -inf, H NaN
-    base[3, 30] = float("nan")  # all NaN
-    base[4, 40] = float("inf")
-    ids[4] = 40  # logp NaN (inf - inf)
-    base[6, 12] = float("-inf")
-    ids[6] = 12  # logp -inf
+    make_non_finite(base, ids)
     base[7, :16] = float("-inf")  # a first block all -inf, then logits near -200: finite
     base[7, 16:] -= 200.0
     ids[7] = 30

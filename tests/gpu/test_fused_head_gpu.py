@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.head_rounding import excess
+from tests.head_rounding import NON_FINITE_ROWS, excess, make_non_finite
 from tests.toy import toy_groups
 from weir.algo import entropy as E
 from weir.algo import (
@@ -129,13 +129,7 @@ def test_real_vocabularies_and_non_finite_rows(kernel, v, checked):
     rounding of the exact one on finite rows and NaN where the eager chunks' are."""
     _needs(kernel)
     base, ids, w = _logits(n=1024, v=v, seed=2)
-    base[1] = float("-inf")  # logp and H NaN
-    base[2, 20] = float("inf")  # logp -inf, H NaN
-    base[3, 30] = float("nan")  # all NaN
-    base[4, 40] = float("inf")
-    ids[4] = 40  # logp NaN (inf - inf)
-    base[6, 12] = float("-inf")
-    ids[6] = 12  # logp -inf
+    make_non_finite(base, ids)
     t = 0.7
 
     def fused(k):
@@ -155,7 +149,7 @@ def test_real_vocabularies_and_non_finite_rows(kernel, v, checked):
     assert got[0][2] == got[0][6] == float("-inf") and got[0][[1, 3, 4]].isnan().all()
     assert torch.equal(got[2].isnan(), eager[2].isnan())
     finite = torch.ones(base.shape[0], dtype=torch.bool, device=CUDA)
-    finite[[1, 2, 3, 4, 6]] = False
+    finite[list(NON_FINITE_ROWS)] = False
     torch.testing.assert_close(got[0][finite], ref_lp[finite], atol=1e-4, rtol=0)
     torch.testing.assert_close(got[1][finite], ref_h[finite], atol=1e-4, rtol=0)
     r = excess({"got": got[2][finite]}, base[finite], ids[finite], w[:, finite], t, True)

@@ -23,13 +23,13 @@ from weir.train.fuse import apply_fusion, choose_fusion
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
-def _model() -> torch.nn.Module:
+def _model(layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=256,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -206,17 +206,7 @@ def test_a_forward_with_a_kv_cache_runs_uncompiled_and_leaves_the_graph_to_train
 
     torch._dynamo.reset()  # the layer's code object shares Dynamo's cache across the process
     monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": counting})
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=12,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = _model(layers=12)
     eager = copy.deepcopy(model)
     assert apply_fusion("compile", model, CPU).route == "compile"
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [13, 14, 15, 16]]

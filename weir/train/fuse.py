@@ -129,13 +129,6 @@ def choose_fusion(mode: str, model: torch.nn.Module, device: torch.device) -> Fu
     return Fusion("off", "; ".join(reasons))
 
 
-def _holds_cache(args: tuple, kwargs: dict) -> bool:
-    """Whether a decoder layer's call carries a KV cache (transformers' `Cache`)."""
-    from transformers.cache_utils import Cache
-
-    return any(isinstance(a, Cache) for a in (*args, *kwargs.values()))
-
-
 def _compile_layer(layer: torch.nn.Module) -> None:
     """`layer.compile()`, except that a call carrying a KV cache runs uncompiled.
 
@@ -149,11 +142,14 @@ def _compile_layer(layer: torch.nn.Module) -> None:
     `Module.compile` does, so that a deep copy (the reference policy, an engine's copy), which
     drops it, runs uncompiled on its own weights (a compiled bound `forward` would run the
     original's)."""
+    from transformers.cache_utils import Cache
+
     eager = layer._call_impl
     compiled = torch.compile(eager, **COMPILE_OPTIONS)
 
     def call(*args, **kwargs):
-        return (eager if _holds_cache(args, kwargs) else compiled)(*args, **kwargs)
+        cached = any(isinstance(a, Cache) for a in (*args, *kwargs.values()))
+        return (eager if cached else compiled)(*args, **kwargs)
 
     layer._compiled_call_impl = call
 
