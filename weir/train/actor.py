@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +19,13 @@ from weir import algo
 from weir.data.moe_routing import Routes, install_routing
 from weir.telemetry.timeline import span
 from weir.train.actor_hooks import ProcessHooks
-from weir.train.actor_settings import ActorSettings, check_algo_options, correction_settings
+from weir.train.actor_settings import (
+    ActorSettings,
+    check_algo_options,
+    correction_settings,
+    kl_controller,
+    zero_gradient_rows,
+)
 from weir.train.batch import TrainBatch
 from weir.train.credit import step_advantages
 from weir.train.fuse import apply_fusion
@@ -37,6 +42,7 @@ from weir.train.packing import (
 from weir.train.response_rows import check_kernel, logprob_kernel, to_device
 from weir.train.step_checks import (
     MicroBatchRecords,
+    MiniBatch,
     drop_nonfinite,
     finite_flag,
     mismatch,
@@ -112,19 +118,13 @@ class Actor(ProcessHooks):
             self.acfg.policy_loss, algo.POLICY_LOSSES, kind="algo.policy_loss"
         )
         self.correction = correction_settings(self.acfg.correction)
-        kl = self.acfg.kl
         self.ref = self._reference(model) if settings.needs_reference else None
         # algo.routing_replay: the policy's (and reference's) forwards replay the engine's routing
         self.routing = install_routing(self.model) if self.acfg.routing_replay else None
         if self.routing is not None and self.ref is not None:
             install_routing(self.ref)
         self.teacher = make_teacher(self)
-        if kl.adaptive_target is not None:
-            self.kl_ctl = algo.AdaptiveKLController(
-                kl.coef, kl.adaptive_target, kl.adaptive_horizon
-            )
-        else:
-            self.kl_ctl = algo.FixedKLController(kl.coef)
+        self.kl_ctl = kl_controller(self.acfg.kl)
         self.fusion = apply_fusion(self.tcfg.fuse, self.model, self.device)
         if self._layouts is not None and self.fusion.route == "compile":  # prefix runs uncompiled
             self._layouts = self._layout_choice(self._layouts.candidates)
@@ -439,7 +439,7 @@ class Actor(ProcessHooks):
             self.updates += 1
             return {"grad_norm": float("nan"), "_tokens": 0.0, "_peaks": peaks}
         self.optimizer.zero_grad(set_to_none=True)
-        step = _MiniBatch(batch, mask, old, ref, advantages, weights, first, num_tokens, num_seqs)
+        step = MiniBatch(batch, mask, old, ref, advantages, weights, first, num_tokens, num_seqs)
         step.records = MicroBatchRecords(metric_tokens)
         with grad_mode(self.model, self.tcfg.gradient_checkpointing):
             self._accumulate(step, live, rest)
@@ -466,7 +466,7 @@ class Actor(ProcessHooks):
         self.updates += 1
         return {**sums, "grad_norm": norm, "_tokens": num_tokens, "_peaks": peaks}
 
-    def _accumulate(self, step: _MiniBatch, live: list[int], rest: list[int]) -> None:
+    def _accumulate(self, step: MiniBatch, live: list[int], rest: list[int]) -> None:
         """Forward and backward over the micro-batches of rows `live` (and forwards only over
         `rest`, the dead rows whose metrics are wanted), recording their metrics."""
         seqs, lens = step.batch.sequences, step.batch.response_lengths
@@ -486,7 +486,7 @@ class Actor(ProcessHooks):
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
 
-    def _micro_step(self, step: _MiniBatch, idx: list[int], grad: bool) -> None:
+    def _micro_step(self, step: MiniBatch, idx: list[int], grad: bool) -> None:
         """Forward micro-batch `idx` (and backward, with `grad`), recording its metrics and
         whether its log-probs were finite, without reading the device.
 
@@ -564,25 +564,11 @@ class Actor(ProcessHooks):
         step.records.add(finite, loss, pg, mismatch)
 
     def _dead_rows(self, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
-        """(B,) True for rows whose gradient is exactly zero, or None when that cannot be known.
-
-        Every built-in policy loss is the advantage times a function of the log-probs, per token
-        (per sequence for GSPO), so a row whose trained tokens all have A = 0 (a GRPO group with
-        equal rewards, a masked-out sample) adds exactly 0 to the gradient unless an entropy bonus
-        or a KL term in the loss depends on its log-probs. Such rows take no backward, and no
-        forward either unless `train.dead_rows=forward` asks for metrics over every row. A user's
-        loss (a dotted path) may depend on more, so with one every row trains.
-        """
-        if (
-            not self.skips_dead_backward
-            or self.acfg.entropy_coef != 0
-            or (self.acfg.kl.coef > 0 and not self.acfg.kl.as_reward)
-            or (self.teacher is not None and self.acfg.distill.mode == "loss")
-            or not isinstance(self.acfg.policy_loss, str)
-            or self.acfg.policy_loss not in algo.POLICY_LOSSES
-        ):
+        """(B,) True for rows that take no backward (`actor_settings.zero_gradient_rows`)."""
+        if not self.skips_dead_backward:
             return None
-        return ~((advantages != 0) & (mask > 0)).any(1)
+        distills = self.teacher is not None and self.acfg.distill.mode == "loss"
+        return zero_gradient_rows(self.acfg, distills, mask, advantages)
 
     def _behavior(self, batch: TrainBatch) -> torch.Tensor:
         """The behaviour policy's log-probs per `algo.behavior_logprobs` (see the schema)."""
@@ -612,22 +598,6 @@ class Actor(ProcessHooks):
     def weights(self):
         """Named parameters to push to the engines."""
         return self.model.named_parameters()
-
-
-@dataclass
-class _MiniBatch:
-    """What every micro-batch of one mini-batch's update reads, and where it records metrics."""
-
-    batch: TrainBatch
-    mask: torch.Tensor
-    old: torch.Tensor | None
-    ref: torch.Tensor | None
-    advantages: torch.Tensor
-    weights: torch.Tensor | None
-    first: bool
-    num_tokens: float
-    num_seqs: float
-    records: MicroBatchRecords | None = None
 
 
 class _NonFiniteOld(Exception):

@@ -11,7 +11,7 @@ import torch
 
 from weir import algo
 from weir.config import Config
-from weir.config.schema import AlgoConfig, CorrectionConfig, TrainConfig
+from weir.config.schema import AlgoConfig, CorrectionConfig, KLConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,34 @@ def correction_settings(c: CorrectionConfig) -> dict[str, Any]:
         out.update(algo.preset_settings(c.preset))
         out.update({k: getattr(c, k) for k in CORRECTION_KEYS if k in c.model_fields_set})
     return out
+
+
+def kl_controller(kl: KLConfig) -> algo.AdaptiveKLController | algo.FixedKLController:
+    """The KL coefficient's controller: adaptive toward `kl.adaptive_target` if set, else fixed."""
+    if kl.adaptive_target is not None:
+        return algo.AdaptiveKLController(kl.coef, kl.adaptive_target, kl.adaptive_horizon)
+    return algo.FixedKLController(kl.coef)
+
+
+def zero_gradient_rows(
+    acfg: AlgoConfig, distills_in_loss: bool, mask: torch.Tensor, advantages: torch.Tensor
+) -> torch.Tensor | None:
+    """(B,) True for rows whose gradient is exactly zero, or None when that cannot be known.
+
+    Every built-in policy loss is the advantage times a function of the log-probs, per token
+    (per sequence for GSPO), so a row whose trained tokens all have A = 0 (a GRPO group with
+    equal rewards, a masked-out sample) adds exactly 0 to the gradient unless an entropy bonus
+    or a KL term in the loss depends on its log-probs. Such rows take no backward, and no
+    forward either unless `train.dead_rows=forward` asks for metrics over every row. A user's
+    loss (a dotted path) may depend on more, so with one every row trains. `distills_in_loss`:
+    a teacher whose term is in the loss (`algo.distill.mode=loss`) trains every row too.
+    """
+    if (
+        acfg.entropy_coef != 0
+        or (acfg.kl.coef > 0 and not acfg.kl.as_reward)
+        or distills_in_loss
+        or not isinstance(acfg.policy_loss, str)
+        or acfg.policy_loss not in algo.POLICY_LOSSES
+    ):
+        return None
+    return ~((advantages != 0) & (mask > 0)).any(1)

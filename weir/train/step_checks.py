@@ -20,6 +20,7 @@ from weir.train.batch import TrainBatch
 __all__ = [
     "finite_flag",
     "MicroBatchRecords",
+    "MiniBatch",
     "drop_nonfinite",
     "mismatch",
     "mismatch_spread",
@@ -206,3 +207,19 @@ def warn_over_max_len(mask: torch.Tensor, max_len: int) -> bool:
         stacklevel=3,
     )
     return True
+
+
+@dataclasses.dataclass
+class MiniBatch:
+    """What every micro-batch of one mini-batch's update reads, and where it records metrics."""
+
+    batch: TrainBatch
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    advantages: torch.Tensor
+    weights: torch.Tensor | None
+    first: bool
+    num_tokens: float
+    num_seqs: float
+    records: MicroBatchRecords | None = None
