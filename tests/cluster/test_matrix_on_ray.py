@@ -370,3 +370,87 @@ def test_one_process_with_vllm_runs_separate_policies_with_lora_adapters(
     assert len(steps) == 2 and all(h["train/a/samples"] > 0 for h in steps)
     assert all(0 < h["sync/mb"] < 1.0 for h in steps)  # two adapters of 0.25 MB, not the model
     assert all(h["mismatch/abs_logp_diff"] < 2e-4 for h in steps if "mismatch/abs_logp_diff" in h)
+
+
+# -- a server that dies while the weights travel -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_vllm_server_killed_during_a_weight_broadcast_costs_the_update_nothing(
+    servers, model_dir, tmp_path
+):
+    """Two trainer ranks stream 64 KB buckets to the module's two vLLM servers; one is killed
+    (SIGKILL, its process group) while it receives. The sync aborts the group, the update goes
+    again to the survivor, whose weights are then the trainer's exactly (the digest of what it
+    loaded, after a first load that broke off half way); the killed server restarts, gets the
+    current weights streamed from the shards, and the next push lands on both, checked the same
+    way. Runs last in the module: it restarts a server of the module's fixture."""
+    import threading
+    import time
+
+    from tests.toy import toy_groups
+    from weir.cluster.ray_cluster import RayCluster
+    from weir.config import build_config
+    from weir.sync.endpoints import SyncTrainerRank
+    from weir.sync.server_sync import ServerSync
+    from weir.train.batch import make_batch
+    from weir.train.distributed import RankSettings, TrainerGroup
+
+    cfg = build_config({}, [*RAY[:5], "rollout.batch_prompts=2", "rollout.n=4", "train.lr=1e-2"])
+    cluster = RayCluster(cfg.cluster).start()
+    trainer = TrainerGroup(
+        cluster, RankSettings.from_config(cfg), str(model_dir), rank_cls=SyncTrainerRank
+    )
+    sync = ServerSync(trainer, servers, bucket_mb=1 / 16, dtype="float32", verify=True)
+    backend, receive = servers.backend, servers.backend.receive_broadcast
+    victim = servers.replicas[1]
+    kills: list[float] = []
+
+    async def receive_and_die(client, url, buckets, name, digest=False):
+        if url == victim.url and kills and kills[-1] >= 0:
+            pid, delay = victim.process.pid, kills[-1]
+
+            def kill() -> None:
+                time.sleep(delay)
+                os.killpg(pid, signal.SIGKILL)
+
+            threading.Thread(target=kill, daemon=True).start()
+            kills.append(-1.0)  # once per push
+        await receive(client, url, buckets, name, digest)
+
+    try:
+        assert sync.push(1)["sync/verified"] == 1.0  # forms the group of both
+        trainer.train(make_batch(toy_groups(), version=0))
+        start = time.perf_counter()
+        assert sync.push(2)["sync/verified"] == 1.0
+        clean_s = time.perf_counter() - start
+        backend.receive_broadcast = receive_and_die
+        version, got = 2, None
+        for fraction in (0.3, 0.1, 0.0):  # the kill must land while the buckets travel
+            trainer.train(make_batch(toy_groups(), version=version))
+            version += 1
+            before = servers.update_retries
+            kills.append(fraction * clean_s)
+            got = sync.push(version)
+            if servers.update_retries > before:
+                break
+            assert servers.wait_healthy(600), "the killed server did not come back"
+        assert servers.update_retries > before, f"no kill landed during a push ({clean_s:.2f} s)"
+        assert got["sync/verified"] == 1.0 and servers.healthy == [True, False]
+        assert got["cluster/sync_retries"] >= 1
+        assert got["time/sync"] < 60  # the aborted group let go at once, not at gloo's 600 s
+        backend.receive_broadcast = receive
+        assert servers.wait_healthy(600), "the killed server did not come back"
+        assert servers.version == version and servers.restarts >= 1
+        trainer.train(make_batch(toy_groups(), version=version))
+        assert sync.push(version + 1)["sync/verified"] == 1.0 and all(servers.healthy)
+        assert len(sync.digests()) == 2
+        print(
+            f"clean push {clean_s:.2f} s; killed {kills[-2]:.2f} s into push {version}, which "
+            f"took {got['time/sync']:.2f} s: {servers.update_retries} update retries, "
+            f"{servers.restarts} restarts"
+        )
+    finally:
+        backend.receive_broadcast = receive
+        trainer.shutdown()
+        cluster.shutdown()

@@ -3,7 +3,9 @@ up front, seeds, and the router's choice of replica. No vLLM needed: these run e
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 
 import pytest
 from hypothesis import given
@@ -152,7 +154,7 @@ class _Process:
     """A stand-in for a server process weir started: alive or exited."""
 
     def __init__(self, url: str, alive: bool) -> None:
-        self.url, self._alive, self.stopped = url, alive, False
+        self.url, self._alive, self.stopped, self.restarted = url, alive, False, False
 
     def alive(self) -> bool:
         return self._alive
@@ -161,6 +163,7 @@ class _Process:
         raise EngineStartError(f"{self.url} did not come back")  # stays down in this test
 
     def restart(self, should_stop=None) -> None:
+        self.restarted = True
         self.wait_ready()
 
     def stop(self) -> None:
@@ -203,3 +206,95 @@ def test_a_server_that_exited_before_a_weight_update_is_left_out_and_restarted(t
         assert loaded[-1] == [0] and engine.version == 4
     finally:
         engine.close()
+
+
+@contextlib.contextmanager
+def _answering_health(n: int):
+    """`n` URLs whose /health answers 200 (servers that serve), each on a thread of its own."""
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health) for _ in range(n)]
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield [f"http://127.0.0.1:{srv.server_address[1]}" for srv in servers]
+    finally:
+        for srv in servers:
+            srv.shutdown()
+
+
+def test_a_server_dying_during_a_weight_update_is_shed_and_the_update_goes_to_the_others(
+    tmp_path, caplog
+):
+    """Three servers; the second dies while the weights travel and the load fails (a broadcast
+    whose group the sync aborted). The update goes again to the two that still serve, the dead
+    one is marked down and restarted, and the retry is counted. A server left waiting in an
+    aborted broadcast (`wedged`) is restarted although it answers /health. A failure that costs
+    no server (all still serve) is the update's: it raises and the version stays."""
+    import logging
+
+    from weir.engine.server_engine import ServerEngine
+    from weir.engine.servers import Replica
+    from weir.sync.server_sync import DeliveryFailed
+
+    class Backend:
+        name = "vllm"
+
+    with _answering_health(2) as (a, c):
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing answers there once it died
+        procs = [_Process(u, True) for u in (a, dead, c)]
+        replicas = [Replica(p.url, p) for p in procs]
+        engine = ServerEngine(
+            Backend(),
+            replicas,
+            eos_token_ids=[1],
+            max_model_len=64,
+            weights_dir=tmp_path,
+            watch_s=0,
+        )
+        loaded: list[list[int]] = []
+
+        async def load(targets):
+            loaded.append([i for i, _ in targets])
+            if len(loaded) == 1:
+                procs[1]._alive = False  # dies half way
+                raise DeliveryFailed("weight sync: a member of group g failed (...)")
+
+        try:
+            with caplog.at_level(logging.WARNING, logger="weir.engine.server_engine"):
+                engine.update_with_sync(load, 3)
+            assert loaded == [[0, 1, 2], [0, 2]] and engine.version == 3
+            assert engine.healthy == [True, False, True] and engine.update_retries == 1
+            assert engine.stats()["engine_update_retries"] == 1.0
+            assert any("1 of 3 servers lost" in r.getMessage() for r in caplog.records)
+            engine.wait_healthy(timeout_s=2.0)  # its recovery ends (the stand-in stays down)
+            assert procs[1].restarted
+
+            async def fails(targets):
+                loaded.append([i for i, _ in targets])
+                raise RuntimeError("weight sync: the trainer failed")
+
+            with pytest.raises(RuntimeError, match="the trainer failed"):
+                engine.update_with_sync(fails, 4)
+            assert loaded[-1] == [0, 2] and engine.version == 3 and engine.update_retries == 1
+
+            async def wedges(targets):
+                loaded.append([i for i, _ in targets])
+                if len(loaded) == 4:
+                    raise DeliveryFailed("... servers still in it", frozenset({c}))
+
+            engine.update_with_sync(wedges, 5)
+            assert loaded[-2:] == [[0, 2], [0]] and engine.version == 5
+            engine.wait_healthy(timeout_s=2.0)
+            assert procs[2].restarted and not procs[0].restarted
+            assert engine.healthy == [True, False, False] and engine.update_retries == 2
+        finally:
+            engine.close()

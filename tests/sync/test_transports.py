@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
+import time
 
 import torch
 from hypothesis import given
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from weir.sync import BroadcastGroup, DiskStore, TensorMeta, plan_buckets, weights_hash
+from weir.sync.broadcast import ABORT_CHECK_S, SyncAborted, signal_abort
 from weir.train.distributed import free_port
 
 
@@ -74,4 +78,65 @@ def test_broadcast_group_delivers_identical_tensors(tiny_model_dir):
     for t in threads:
         t.join(60)
     assert got[0] == sum(v.numel() * v.element_size() for v in state.values())
+    assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)
+
+
+def _member_that_dies(port: int, rank: int, size: int, buckets, after: int) -> None:
+    """A group member (its own process) that receives `after` buckets and then dies."""
+    g = BroadcastGroup("127.0.0.1", port, rank, size, name="t")
+    for i, _ in enumerate(g.recv_stream(buckets)):
+        if i == after:
+            os._exit(1)
+
+
+def test_a_member_dying_half_way_aborts_the_group_and_the_others_form_a_new_one(tiny_model_dir):
+    """Four members, the third dies after a few buckets. Left alone the others would wait out
+    gloo's 600 s timeout; once the driver sets the group's abort key every one of them leaves
+    within seconds (root: its send fails or is aborted; receivers: `SyncAborted` or the
+    collective's own error), and the three form a new group that delivers every tensor."""
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    buckets = plan_buckets([TensorMeta.of(k, v) for k, v in state.items()], 16 * 1024)
+    assert len(buckets) > 10
+    port = free_port()
+    ended: dict[int, BaseException | None] = {}
+
+    def member(rank: int) -> None:
+        try:
+            g = BroadcastGroup("127.0.0.1", port, rank, 4, name="t")
+            g.send(state, buckets) if rank == 0 else g.recv(buckets)
+            ended[rank] = None
+        except BaseException as err:
+            ended[rank] = err
+
+    dying = multiprocessing.get_context("spawn").Process(
+        target=_member_that_dies, args=(port, 2, 4, buckets, 3)
+    )
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in (0, 1, 3)]
+    for t in threads:
+        t.start()
+    dying.start()
+    dying.join(120)
+    assert dying.exitcode == 1
+    time.sleep(1.0)  # left alone, whoever waits on the dead member stays waiting
+    blocked = [r for r in (0, 1, 3) if r not in ended]
+    assert blocked, "every member finished although one died half way"
+    start = time.monotonic()
+    signal_abort("127.0.0.1", port, "t")
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - start < 10 * ABORT_CHECK_S + 5
+    assert set(ended) == {0, 1, 3} and all(ended[r] is not None for r in blocked)
+    assert any(isinstance(ended[r], SyncAborted) for r in blocked), ended
+
+    port2, got = free_port(), {}
+
+    def again(rank: int) -> None:
+        g = BroadcastGroup("127.0.0.1", port2, rank, 3, name="t2")
+        got[rank] = g.send(state, buckets) if rank == 0 else g.recv(buckets)
+
+    threads = [threading.Thread(target=again, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
     assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)

@@ -162,6 +162,7 @@ class ServerEngine(Recovery, WeightUpdates):
         self.healthy = [True] * len(self.replicas)
         self.retries = 0
         self.restarts = 0
+        self.update_retries = 0  # weight updates that went again after a server died in them
         self.sleeping = False
         self._wake_running = True
         self._stats = {"requests": 0, "generated_tokens": 0, "resubmits": 0, "busy_s": 0.0}
@@ -267,12 +268,14 @@ class ServerEngine(Recovery, WeightUpdates):
 
     def stats(self) -> dict[str, float]:
         """Counters since start: requests, generated tokens, resubmitted samples, busy seconds,
-        retries after a server failure and server restarts."""
+        retries after a server failure, server restarts, and weight updates that went again after a
+        server died during them."""
         out = dict(self._stats)
         if self._busy_since is not None:
             out["busy_s"] += time.perf_counter() - self._busy_since
         out["engine_retries"] = float(self.retries)
         out["engine_restarts"] = float(self.restarts)
+        out["engine_update_retries"] = float(self.update_retries)
         return out
 
     def state_dict(self) -> dict[str, Any]:

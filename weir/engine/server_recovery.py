@@ -69,11 +69,29 @@ class Recovery:
                 await self._lost(i)
         return [t for t, ok in zip(targets, alive, strict=True) if ok]
 
-    async def _lost(self, i: int) -> None:
-        """Mark replica `i` down and restart it in the background (once)."""
+    async def _shed(
+        self, targets: list[tuple[int, Any]], wedged: frozenset[str]
+    ) -> list[tuple[int, Any]]:
+        """After a failed weight update to `targets`: those that no longer serve (`_serves`), and
+        those left waiting in an aborted broadcast (`wedged` URLs), are marked down and recovered
+        (`_recover`: restarted where weir started them; a wedged server weir did not start is
+        given the weights once it answers again); returns the others."""
+        left = []
+        for i, replica in targets:
+            stuck = replica.url in wedged
+            if stuck or not await self._serves(i):
+                self.awaiting.discard(i)
+                await self._lost(i, force=stuck)
+            else:
+                left.append((i, replica))
+        return left
+
+    async def _lost(self, i: int, *, force: bool = False) -> None:
+        """Mark replica `i` down and restart it in the background (once); with `force` even if it
+        still answers (a server that serves but cannot take weights again without a restart)."""
         if not self.healthy[i] and i in self._recovering:
             return
-        if await self._serves(i):
+        if not force and await self._serves(i):
             return  # a transient error: the server still serves
         self.healthy[i] = False
         if i not in self._recovering:

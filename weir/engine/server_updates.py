@@ -5,8 +5,10 @@ loop). Every update pauses the streams in flight (their tokens kept), has every 
 any restarted one waiting for weights, `awaiting`) load the new weights, sets the version and
 resumes: tokens before the update carry the old version, tokens after it the new one. A server
 weir started whose process has exited when an update starts is marked down and restarted, and
-gets the weights when it is back (a broadcast to it would fail the update); one that dies during
-the update fails it. How the
+gets the weights when it is back (a broadcast to it would fail the update). One that dies during
+the update fails that load; the servers found gone then (or left wedged in an aborted broadcast,
+`weir.sync.server_sync.DeliveryFailed`) are restarted and the load goes again to the others
+(`update_retries`). How the
 weights travel is the caller's: a safetensors directory each server reads (`update_weights`,
 `load_weights_from_disk`), a LoRA adapter (`update_adapter_sync`), or any loader coroutine
 (`update_with_sync`: weir.sync.server_sync streams the trainer's shards over a torch.distributed
@@ -16,6 +18,7 @@ group).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ import torch
 from weir.engine.servers import Replica
 
 __all__ = ["WeightUpdates"]
+
+log = logging.getLogger("weir.engine.server_engine")
 
 
 class WeightUpdates:
@@ -105,6 +110,32 @@ class WeightUpdates:
 
         await self._load_with(from_disk, version, path=path)
 
+    async def _load_or_shed(
+        self, load: Callable, targets: list[tuple[int, Replica]]
+    ) -> list[tuple[int, Replica]]:
+        """``await load(targets)``; after a failure, the targets found gone or left wedged are
+        restarted (`_shed`) and the load goes again to the others, each round with fewer servers.
+        Raises the failure when no server was lost in it (it is not theirs) or none is left.
+        Returns the targets that took the weights."""
+        while True:
+            try:
+                await load(targets)
+                return targets
+            except Exception as err:
+                left = await self._shed(targets, getattr(err, "wedged", frozenset()))
+                if not left or len(left) == len(targets):
+                    raise
+                self.update_retries += 1
+                log.warning(
+                    "%s: %d of %d servers lost during a weight update (%s); it goes again to "
+                    "the others, the lost ones restart and get the weights when they are back",
+                    self.backend.name,
+                    len(targets) - len(left),
+                    len(targets),
+                    err,
+                )
+                targets = left
+
     async def _load_with(self, load: Callable, version: int, *, path: str | None) -> None:
         async with self._control:
             was_running = self._running.is_set()
@@ -118,7 +149,7 @@ class WeightUpdates:
                     if self.healthy[i] or i in self.awaiting
                 ]
                 targets = await self._survivors(targets)  # died since its last request
-                await load(targets)
+                targets = await self._load_or_shed(load, targets)
                 for i, _ in targets:
                     if i in self.awaiting:  # restarted, back with these weights
                         self.awaiting.discard(i)

@@ -7,11 +7,20 @@ already use that one for FSDP2, and the engines are not part of it. gloo on CPU,
 Tensors travel in buckets: consecutive tensors of one dtype are flattened into one buffer of at
 most `bucket_bytes` (a larger tensor goes alone), so the number of collectives stays small and
 the extra memory is one bucket.
+
+A member that dies half way leaves the others blocked in a collective that cannot finish (gloo
+and NCCL pass a bucket along a tree). So every member waits for its collectives by polling, and
+between polls looks for the group's abort key (`abort_key`) in rank 0's TCPStore: the driver sets
+it when a member failed, and every member then aborts its side of the group and raises
+`SyncAborted` within `ABORT_CHECK_S`, ready to join the next group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -19,6 +28,69 @@ import torch
 import torch.distributed as dist
 
 Tensor = torch.Tensor
+
+ABORT_CHECK_S = 0.25
+"""How often a member waiting for a collective looks for its group's abort key (a TCPStore
+round trip; the wait itself polls the collective without it)."""
+
+
+class SyncAborted(RuntimeError):
+    """The driver aborted the weight-broadcast group (a member failed): this member left it."""
+
+
+def abort_key(name: str) -> str:
+    """The key in rank 0's TCPStore (unprefixed) whose presence aborts group `name`."""
+    return f"weir-abort/{name}"
+
+
+def abandon(pg: dist.ProcessGroup, work: dist.Work) -> None:
+    """Leave `pg` after its collective `work` failed or was aborted: abort it where the backend
+    can (NCCL: the kernel waiting on a member that is gone ends). A collective still pending
+    after that (gloo cannot abort one in flight; it ends at the group's timeout) pins the group:
+    destroying it would join the thread waiting in it, and so would the interpreter's exit, so
+    the group is left allocated for the life of the process (one per failed sync)."""
+    abort = getattr(pg, "abort", None)
+    if abort is not None:
+        with contextlib.suppress(RuntimeError):
+            abort()
+    if not work.is_completed():
+        for obj in (pg, work):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def signal_abort(host: str, port: int, name: str, timeout_s: float = 10.0) -> None:
+    """Abort group `name`: set its key in the TCPStore that its rank 0 hosts at `host:port`
+    (the driver's side; every member leaves the group within `ABORT_CHECK_S`)."""
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    store.set(abort_key(name), "1")
+
+
+def finish(work: dist.Work, store: dist.Store | None, key: str) -> None:
+    """Wait for a collective's `work`; `SyncAborted` if `key` appears in `store` first (then the
+    collective may never finish: the caller aborts its process group).
+
+    Polls: a yield of the thread for the first 5 ms (a bucket on NCCL takes about a millisecond,
+    so a sleep would add its granularity to every bucket), then 0.5 ms sleeps; the store is asked
+    every `ABORT_CHECK_S`. Without a store, a plain blocking wait."""
+    if store is None:
+        work.wait()
+        return
+    start = time.monotonic()
+    check = start + ABORT_CHECK_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= check:
+            if store.check([key]):
+                raise SyncAborted(f"weight sync: group aborted by the driver ({key})")
+            check = now + ABORT_CHECK_S
+        time.sleep(0 if now - start < 0.005 else 0.0005)
+    work.wait()  # raises the collective's error; on NCCL orders the current stream after it
 
 
 @dataclass(frozen=True)
@@ -74,8 +146,9 @@ the group name, torch's ``_new_process_group_helper``), which a server's
 
 def sglang_style_group(
     host: str, port: int, rank: int, size: int, backend: str, name: str, timeout
-) -> dist.ProcessGroup:
-    """A process group built as SGLang builds its weight-update group (see `STYLES`)."""
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """A process group built as SGLang builds its weight-update group (see `STYLES`), and the
+    rendezvous's TCPStore (rank 0 hosts it)."""
     from torch.distributed.distributed_c10d import (
         PrefixStore,
         _new_process_group_helper,
@@ -89,7 +162,7 @@ def sglang_style_group(
         size, rank, [], backend, PrefixStore(name, store), group_name=name, timeout=timeout
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(size)}
-    return pg
+    return pg, store
 
 
 class BroadcastGroup:
@@ -118,13 +191,14 @@ class BroadcastGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.backend = rank, size, backend
         self.per_tensor = per_tensor
+        self.abort_key = abort_key(name)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
         self._registered = style == "sglang"  # torch's registry holds it by name until destroyed
         if style == "sglang":
-            self.pg = sglang_style_group(host, port, rank, size, backend, name, timeout)
+            self.pg, self.store = sglang_style_group(host, port, rank, size, backend, name, timeout)
             return
         self.store = dist.TCPStore(
             host, port, size, rank == 0, timeout=timeout, wait_for_workers=False
@@ -136,9 +210,19 @@ class BroadcastGroup:
             self.pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
 
     def _broadcast(self, buf: Tensor) -> None:
+        """One broadcast from rank 0; on an abort or an error this member leaves the group (it
+        cannot be used again: the next sync forms a new one)."""
+        if self.pg is None:
+            raise SyncAborted("weight sync: this member left its group after a failure")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([buf], opts).wait()
+        work = self.pg.broadcast([buf], opts)
+        try:
+            finish(work, self.store, self.abort_key)
+        except Exception:
+            abandon(self.pg, work)
+            self.pg = None
+            raise
 
     def send(self, state: Mapping[str, Tensor], buckets: list[list[TensorMeta]]) -> int:
         """Root: broadcast `state` bucket by bucket; returns the bytes sent."""

@@ -22,6 +22,15 @@ servers read (servers outside the job's network, or without a common one for col
 A server that died and was restarted is given the current version streamed from the shards as long
 as the trainer has not trained since the last push; otherwise it waits out of the routing and the
 next push includes it.
+
+A server that dies *during* a broadcast leaves the others waiting for buckets that cannot come
+(the collective passes them along a tree). The driver sees the failure (the dead server's request
+or rank 0's send fails), sets the group's abort key in rank 0's TCPStore, and every member leaves
+the group within a quarter of a second (`weir.sync.broadcast.finish`); `DeliveryFailed` then
+tells the engine, which restarts the dead server and has the update go again to the others in a
+new group (`ServerEngine.update_with_sync`). A server whose side cannot be aborted (SGLang's own
+receiving endpoint) and is still waiting `ABORT_GRACE_S` later is named `wedged`: the engine
+restarts it too.
 """
 
 from __future__ import annotations
@@ -36,11 +45,24 @@ from pathlib import Path
 from typing import Any
 
 from weir.engine.server_recovery import WeightsNotReady
-from weir.sync.broadcast import TensorMeta, plan_buckets
+from weir.sync.broadcast import TensorMeta, plan_buckets, signal_abort
 
 log = logging.getLogger(__name__)
 
 SERVER_TRANSPORTS = ("broadcast", "disk", "adapter")
+
+ABORT_GRACE_S = 30.0
+"""How long the members of an aborted group get to leave it before the ones still waiting count
+as wedged."""
+
+
+class DeliveryFailed(RuntimeError):
+    """A broadcast failed half way and its group was aborted. `wedged`: the URLs of servers still
+    waiting in it after `ABORT_GRACE_S` (they need a restart to take weights again)."""
+
+    def __init__(self, message: str, wedged: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.wedged = wedged
 
 
 class ServerSync:
@@ -94,6 +116,7 @@ class ServerSync:
         self.version = engine.version
         self._buckets: list[list[TensorMeta]] | None = None
         self._members: tuple[str, ...] | None = None  # the servers (urls) in the current group
+        self._address: tuple[str, int] | None = None  # rank 0's TCPStore of the current group
         self._name = ""
         self._generation = itertools.count()
         self._pushed = False
@@ -128,6 +151,7 @@ class ServerSync:
             "sync/mb_per_s": nbytes / 2**20 / max(end - start, 1e-9),
             "cluster/engine_retries": float(self.engine.retries),
             "cluster/engine_restarts": float(self.engine.restarts),
+            "cluster/sync_retries": float(self.engine.update_retries),
         }
 
     def _layout(self) -> list[list[TensorMeta]]:
@@ -147,19 +171,61 @@ class ServerSync:
 
     async def _deliver(self, urls: list[str], version: int) -> int:
         """In the engine's loop: the group over `urls` (re-formed if they changed), every bucket
-        from the shards to them, prefix caches dropped. Returns the bytes rank 0 sent."""
+        from the shards to them, prefix caches dropped. Returns the bytes rank 0 sent.
+        `DeliveryFailed` if a member failed half way (the group aborted, see the module
+        docstring)."""
         if not urls:
             return 0
         await self._form_group(urls)
         receiving = self._receive(urls)
+        sending = asyncio.ensure_future(asyncio.to_thread(self._send, version))
+        everyone = [sending, *receiving]
         try:
-            sent = await asyncio.to_thread(self._send, version)
-            await asyncio.gather(*receiving)
-        except BaseException:
+            await asyncio.wait(everyone, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # cancelled: the members must not stay in a broadcast
             self._abandon(receiving)
+            await asyncio.to_thread(self._signal_abort)
             raise
+        failed = [t for t in everyone if t.done() and t.exception() is not None]
+        if failed:
+            await self._abort(urls, sending, receiving, repr(failed[0].exception()))
         await self._reset_caches(urls)
-        return sent
+        return sending.result()
+
+    async def _abort(
+        self,
+        urls: list[str],
+        sending: asyncio.Future,
+        receiving: list[asyncio.Future],
+        cause: str,
+    ) -> None:
+        """Abort the current group (a member failed): set its abort key, give every member
+        `ABORT_GRACE_S` to leave, cancel the requests of those still in it, raise
+        `DeliveryFailed` naming them."""
+        self._members = None
+        await asyncio.to_thread(self._signal_abort)
+        _, pending = await asyncio.wait([sending, *receiving], timeout=ABORT_GRACE_S)
+        wedged = frozenset(u for u, t in zip(urls, receiving, strict=True) if t in pending)
+        for t in pending:
+            t.cancel()
+        for t in [sending, *receiving]:
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: the cause is in the message
+        raise DeliveryFailed(
+            f"weight sync: a member of group {self._name} failed ({cause}); the group was "
+            f"aborted" + (f", servers still in it: {sorted(wedged)}" if wedged else ""),
+            wedged,
+        )
+
+    def _signal_abort(self) -> None:
+        """Set the current group's abort key in trainer rank 0's TCPStore (a warning if that
+        store is gone with rank 0: its members' polls of it fail then, which ends them too)."""
+        if self._address is None:
+            return
+        try:
+            signal_abort(*self._address, self._name)
+        except Exception as err:
+            log.warning("weight sync: could not set the abort key of %s: %s", self._name, err)
 
     def _receive(self, urls: list[str]) -> list[asyncio.Future]:
         """In the engine's loop: every server at `urls` starts receiving the buckets."""
@@ -195,6 +261,7 @@ class ServerSync:
 
     async def _cancel(self, receiving: list[asyncio.Future]) -> None:
         self._abandon(receiving)
+        await asyncio.to_thread(self._signal_abort)
 
     async def _reset_caches(self, urls: list[str]) -> None:
         backend, client = self.engine.backend, self.engine._client
@@ -235,7 +302,7 @@ class ServerSync:
                 for url, off in zip(urls, offsets, strict=True)
             ),
         )
-        self._members, self._name = tuple(urls), name
+        self._members, self._name, self._address = tuple(urls), name, (host, port)
         log.info("weight sync: group %s of trainer rank 0 and %d server workers", name, world - 1)
 
     def _disk(self, version: int) -> int:

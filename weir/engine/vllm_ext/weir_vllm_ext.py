@@ -14,7 +14,9 @@ weir's dependencies.
   .BroadcastGroup` builds it (a TCPStore at rank 0, prefixed by the group's name, the backend's
   process group on it), so this worker is one more member of it. Buckets arrive one at a time and
   are loaded as they arrive (a generator feeding ``reload_weights``), so a worker holds its own
-  weights and one bucket, never the whole model.
+  weights and one bucket, never the whole model. A worker waits for each bucket by polling, and
+  leaves the group (aborting it) when the driver sets the group's abort key in rank 0's store, as
+  `weir.sync.broadcast.finish` does: a server that died half way does not leave it blocked.
 - ``weir_weights_hash()``: sha256 of the model's parameters, to check that an update went in;
   ``weir_loaded_digest()``: the digest of the tensors the last update loaded (HF names), to compare
   with the trainer's.
@@ -24,8 +26,13 @@ weir's dependencies.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
+import time
 from pathlib import Path
+
+ABORT_CHECK_S = 0.25  # as weir.sync.broadcast.ABORT_CHECK_S
 
 
 class WeirWorkerExtension:
@@ -97,7 +104,7 @@ class WeirWorkerExtension:
         else:
             pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
             device = torch.device("cpu")
-        self._weir_group = (store, pg, device)
+        self._weir_group = (store, pg, device, f"weir-abort/{name}")
         return rank
 
     def weir_receive_broadcast(self, buckets: list, digest: bool = False) -> dict:
@@ -110,7 +117,7 @@ class WeirWorkerExtension:
         group = getattr(self, "_weir_group", None)
         if group is None:
             raise RuntimeError("weir_init_broadcast first")
-        _, pg, device = group
+        store, pg, device, abort_key = group
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         names = {m[0] for bucket in buckets for m in bucket}
         digests: dict[str, str] = {}
@@ -121,7 +128,13 @@ class WeirWorkerExtension:
             for bucket in buckets:
                 numel = [_numel(m[2]) for m in bucket]
                 flat = torch.empty(sum(numel), dtype=getattr(torch, bucket[0][1]), device=device)
-                pg.broadcast([flat], opts).wait()
+                work = pg.broadcast([flat], opts)
+                try:
+                    _finish(work, store, abort_key)
+                except Exception:
+                    self._weir_group = None  # unusable: the next sync forms a new group
+                    _abandon(pg, work)
+                    raise
                 if flat.is_cuda:
                     torch.cuda.current_stream().synchronize()
                 # vLLM's reload holds a layer's tensors until the layer has all of them: the
@@ -157,6 +170,32 @@ class WeirWorkerExtension:
     def weir_reset_memory_peak(self) -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the peak resident set size (VmHWM) to the current one
+
+
+def _finish(work, store, key: str) -> None:
+    """Wait for a collective by polling; RuntimeError if `key` appears in `store` first (the
+    driver aborted the group: a member failed). As weir.sync.broadcast.finish."""
+    start = time.monotonic()
+    check = start + ABORT_CHECK_S
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= check:
+            if store.check([key]):
+                raise RuntimeError(f"weight sync: group aborted by the driver ({key})")
+            check = now + ABORT_CHECK_S
+        time.sleep(0 if now - start < 0.005 else 0.0005)
+    work.wait()
+
+
+def _abandon(pg, work) -> None:
+    """Leave the group after a failure, as weir.sync.broadcast.abandon: abort it where the
+    backend can; a collective still pending pins it for the life of the process (destroying it
+    would wait for that collective's timeout)."""
+    with contextlib.suppress(AttributeError, RuntimeError):
+        pg.abort()
+    if not work.is_completed():
+        for obj in (pg, work):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _parent(name: str) -> str:
