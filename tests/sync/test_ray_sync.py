@@ -1,6 +1,11 @@
-"""After a sync on Ray, every engine replica holds the trainer's weights and version."""
+"""After a sync on Ray, every engine replica holds the trainer's weights and version, also when one
+dies while the weights travel."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+import time
 
 import pytest
 import ray
@@ -57,7 +62,50 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
             assert want != initial
             assert versions == [version, version] and router.version == version
             assert got == [want, want], transport
+
+        # replica 1 killed while the buckets travel: the push aborts the group (replica 0 would
+        # wait for buckets that cannot come until gloo's 600 s timeout) and goes again to
+        # replica 0; Ray restarts replica 1, which takes the weights from its live peer
+        sync = WeightSync(trainer, router, "broadcast", bucket_mb=1 / 64)
+        router.restore = sync.restore
+        sync.push(5)  # forms the group
+        trainer.train(batch)
+        start = time.perf_counter()
+        sync.push(6)
+        clean_s = time.perf_counter() - start
+        for version, fraction in enumerate((0.5, 0.25, 0.1), 7):  # the kill must land half way
+            trainer.train(batch)
+            kill = threading.Timer(
+                fraction * clean_s, ray.kill, (engines[1],), {"no_restart": False}
+            )
+            kill.start()
+            stats = sync.push(version)
+            kill.join()
+            if sync.retries:
+                break
+            _generate(router)  # killed after its push: back (restored) before the next
+            assert router.wait_healthy(120)
+        assert sync.retries == 1, f"no kill landed during a push ({clean_s:.2f} s)"
+        assert stats["cluster/sync_retries"] == 1 and stats["time/sync"] < 60
+        want = trainer.call("weights_hash")[0]
+        assert ray.get(engines[0].weights_hash.remote(None)) == want
+        _generate(router)  # meets the restarted replica, which is restored in the background
+        assert router.wait_healthy(120) and router.restarts >= 1
+        assert ray.get([e.weights_hash.remote(None) for e in engines]) == [want, want]
+        assert ray.get([e.version.remote() for e in engines]) == [version, version]
         router.close()
         trainer.shutdown()
     finally:
         cluster.shutdown()
+
+
+def _generate(router) -> None:
+    """A few requests over every replica (one that Ray restarted is restored before it serves)."""
+    from weir.engine.base import SamplingParams
+
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=4)
+
+    async def go():
+        return await asyncio.gather(*(router.generate([5, 6, 7, i], params) for i in range(4)))
+
+    assert len(asyncio.run(go())) == 4

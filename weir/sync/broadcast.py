@@ -34,6 +34,11 @@ ABORT_CHECK_S = 0.25
 round trip; the wait itself polls the collective without it)."""
 
 
+ABORT_GRACE_S = 30.0
+"""How long the driver gives the members of an aborted group to leave it; one still waiting then
+counts as wedged (only a restart frees it)."""
+
+
 class SyncAborted(RuntimeError):
     """The driver aborted the weight-broadcast group (a member failed): this member left it."""
 

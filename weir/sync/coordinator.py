@@ -12,8 +12,11 @@ Transports:
   (`DiskStore`); engines read it.
 - ``object_store``: rank 0 gathers the full weights into Ray's object store; engines read them.
 
-A replica that Ray restarted gets the current version from a live peer replica, or, when none is
-left, streamed from the shards as long as the trainer has not changed them since the last push.
+A replica that dies during a broadcast fails the push; the driver aborts the group (its abort key
+in rank 0's TCPStore: every member leaves within a quarter of a second, `weir.sync.broadcast
+.finish`) and pushes once more to the replicas that answer, in a new group. A replica that Ray
+restarted gets the current version from a live peer replica, or, when none is left, streamed from
+the shards as long as the trainer has not changed them since the last push.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from weir.sync.broadcast import TensorMeta, plan_buckets
+from weir.sync.broadcast import ABORT_GRACE_S, TensorMeta, plan_buckets, signal_abort
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +86,14 @@ class WeightSync:
         self.backend, self.dtype, self.host_handles = backend, dtype, host_handles
         self.version = router.version
         self._members: tuple[int, ...] | None = None  # replicas in the current broadcast group
+        self._group: tuple[str, int, str] | None = None  # its rank 0's store (host, port), name
         self._shared: list[int] = []  # replicas that take memory handles
         self._generation = itertools.count()
         self._metas: list[TensorMeta] | None = None
         self._buckets: tuple[int, list[list[TensorMeta]]] | None = None  # (bucket bytes, plan)
         self._pushed = False
         self._trained_at_push = 0
+        self.retries = 0  # pushes that went again after a replica failed during them
         self._lock = threading.Lock()  # a push and a restore never interleave
 
     def push(self, version: int) -> dict[str, float]:
@@ -108,6 +113,7 @@ class WeightSync:
                 nbytes, offload_s = self._stream(live, version)
             except Exception as err:  # a replica died mid-sync: once more with the live ones
                 log.warning("weight sync failed (%s); forming a new group and retrying", err)
+                self.retries += 1
                 self._members = None
                 nbytes, offload_s = self._stream(self._answering(self.router.live()), version)
         else:
@@ -140,6 +146,7 @@ class WeightSync:
             "sync/mb_per_s": nbytes / 2**20 / max(deliver, 1e-9),
             "cluster/engine_retries": float(self.router.retries),
             "cluster/engine_restarts": float(self.router.restarts),
+            "cluster/sync_retries": float(self.retries),
         }
 
     def check(self, version: int) -> float:
@@ -203,13 +210,30 @@ class WeightSync:
         shared = [actors[i] for i in self._shared]
         recv = [actors[i].receive.remote(buckets, version) for i in self._members or ()]
         recv += [a.receive_shared.remote(buckets, version) for a in shared]
-        sent = self.trainer.collective(
-            lambda r, rank: rank.stream.remote(
-                buckets, shared if r == 0 else [], version, self.role
-            )
-        )[0]
+        with self.trainer._collective:
+            ranks = [
+                rank.stream.remote(buckets, shared if r == 0 else [], version, self.role)
+                for r, rank in enumerate(self.trainer.ranks)
+            ]
+            if _fails(ranks + recv) and self._members:
+                self._abort(ranks + recv)  # the others would wait for the failed member
+            sent = self.trainer.get(ranks)[0]
         ray.get(recv)
         return sent
+
+    def _abort(self, refs: list) -> None:
+        """Abort the current broadcast group (a member failed half way): set its abort key and
+        give every call in it `ABORT_GRACE_S` to end."""
+        import ray
+
+        self._members = None
+        if self._group is not None:
+            host, port, name = self._group
+            try:
+                signal_abort(host, port, name)
+            except Exception as err:  # rank 0's store gone with it: the members' polls fail
+                log.warning("weight sync: could not set the abort key of %s: %s", name, err)
+        ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_S)
 
     def _form_group(self, live: list[tuple[int, Any]]) -> None:
         """Split the live replicas into handle takers (rank 0's device) and a broadcast group."""
@@ -236,6 +260,7 @@ class WeightSync:
                 for k, (_, r) in enumerate(members)
             ]
             ray.get(refs)
+            self._group = (host, port, name)
         self._members = tuple(i for i, _ in members)
 
     def restore(self, index: int, actor: Any) -> None:
@@ -262,3 +287,18 @@ class WeightSync:
                 )
             self._stream([(index, actor)], self.version)
             self._members = None
+
+
+def _fails(refs: list) -> bool:
+    """Wait for `refs`, True at the first that fails (the others may be pending), False once
+    every one succeeded."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except Exception:
+            return True
+    return False

@@ -45,15 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from weir.engine.server_recovery import WeightsNotReady
-from weir.sync.broadcast import TensorMeta, plan_buckets, signal_abort
+from weir.sync.broadcast import ABORT_GRACE_S, TensorMeta, plan_buckets, signal_abort
 
 log = logging.getLogger(__name__)
 
 SERVER_TRANSPORTS = ("broadcast", "disk", "adapter")
-
-ABORT_GRACE_S = 30.0
-"""How long the members of an aborted group get to leave it before the ones still waiting count
-as wedged."""
 
 
 class DeliveryFailed(RuntimeError):
