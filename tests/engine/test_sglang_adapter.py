@@ -407,3 +407,81 @@ def test_weights_reach_sglang_over_its_distributed_update_protocol(tmp_path):
     finally:
         engine.close()
         trainer.pool.shutdown(wait=False)
+
+
+def test_an_sglang_server_dying_during_a_weight_broadcast_leaves_the_run_going(
+    tmp_path, monkeypatch
+):
+    """Two owned SGLang stand-ins take ~1 KB buckets over SGLang's distributed protocol; the
+    second is killed (SIGKILL) as it asks for its third bucket. The sync aborts the group (rank 0
+    leaves at once); the first server cannot abort its side (SGLang's endpoint, as the stand-in's,
+    waits in the broadcast), so after the grace it counts as wedged; both are restarted, the
+    update is done with the version moved, and each server gets the new weights streamed from
+    the shards when it is back: every tensor bit for bit."""
+    import json
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    import weir.sync.server_sync as server_sync
+    from weir.sync.server_sync import ServerSync
+
+    monkeypatch.setattr(server_sync, "ABORT_GRACE_S", 2.0)
+    script = Path(__file__).with_name("sglang_standin.py")
+    procs = []
+    for i in range(2):
+        port = free_port()
+        proc = ServerProcess(
+            argv=[sys.executable, str(script), str(port)],
+            url=f"http://127.0.0.1:{port}",
+            log_path=tmp_path / f"standin{i}.log",
+            startup_timeout_s=120,
+        )
+        proc.start()
+        procs.append(proc)
+    for proc in procs:
+        proc.wait_ready()
+    state = {f"model.l{i}.weight": torch.randn(16, 8) for i in range(12)}
+    trainer = _Trainer(state)
+    calls = [0]
+
+    class Dying(SglangBackend):
+        async def _post(self, client, url, path, body=None):
+            if url == procs[1].url and path == "/update_weights_from_distributed":
+                calls[0] += 1
+                if calls[0] == 3:
+                    os.killpg(procs[1].proc.pid, signal.SIGKILL)
+                    procs[1].proc.wait(10)
+            return await super()._post(client, url, path, body)
+
+    engine = ServerEngine(
+        Dying(),
+        [Replica(p.url, p) for p in procs],
+        eos_token_ids=[EOS],
+        max_model_len=4096,
+        weights_dir=tmp_path / "weights",
+        watch_s=0,
+    )
+
+    def received(url: str) -> dict:
+        with urllib.request.urlopen(url + "/received", timeout=30) as r:  # noqa: S310
+            return json.loads(r.read())["tensors"]
+
+    try:
+        sync = ServerSync(trainer, engine, bucket_mb=1e-3, backend="gloo")
+        start = time.monotonic()
+        stats = sync.push(1)
+        assert calls[0] == 3 and time.monotonic() - start < 60  # not gloo's 600 s
+        assert stats["cluster/sync_retries"] == 1 and engine.version == 1
+        assert engine.wait_healthy(120), "the servers did not come back"
+        assert engine.restarts == 2
+        for proc in procs:
+            got = received(proc.url)
+            for k, v in state.items():
+                assert torch.equal(torch.tensor(got[k]), v.flatten()), (proc.url, k)
+    finally:
+        engine.close()
+        for proc in procs:
+            proc.stop()
+        trainer.pool.shutdown(wait=False)

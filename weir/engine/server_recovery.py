@@ -81,7 +81,7 @@ class Recovery:
             stuck = replica.url in wedged
             if stuck or not await self._serves(i):
                 self.awaiting.discard(i)
-                await self._lost(i, force=stuck)
+                await self._lost(i, force=True)  # decided here: not asked again
             else:
                 left.append((i, replica))
         return left

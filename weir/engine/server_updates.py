@@ -115,15 +115,16 @@ class WeightUpdates:
     ) -> list[tuple[int, Replica]]:
         """``await load(targets)``; after a failure, the targets found gone or left wedged are
         restarted (`_shed`) and the load goes again to the others, each round with fewer servers.
-        Raises the failure when no server was lost in it (it is not theirs) or none is left.
-        Returns the targets that took the weights."""
+        Raises the failure when no server was lost in it (it is not theirs). Returns the targets
+        that took the weights; none when every one was lost (each is given the new weights when
+        it is back: `restore`)."""
         while True:
             try:
                 await load(targets)
                 return targets
             except Exception as err:
                 left = await self._shed(targets, getattr(err, "wedged", frozenset()))
-                if not left or len(left) == len(targets):
+                if len(left) == len(targets):
                     raise
                 self.update_retries += 1
                 log.warning(
@@ -134,6 +135,8 @@ class WeightUpdates:
                     len(targets),
                     err,
                 )
+                if not left:  # every one restarts and takes these weights when it is back
+                    return []
                 targets = left
 
     async def _load_with(self, load: Callable, version: int, *, path: str | None) -> None:

@@ -48,22 +48,25 @@ def abort_key(name: str) -> str:
     return f"weir-abort/{name}"
 
 
-def abandon(pg: dist.ProcessGroup, work: dist.Work) -> None:
+def abandon(pg: dist.ProcessGroup, work: dist.Work) -> bool:
     """Leave `pg` after its collective `work` failed or was aborted: abort it where the backend
     can (NCCL: the kernel waiting on a member that is gone ends). A collective still pending
     after that (gloo cannot abort one in flight; it ends at the group's timeout) pins the group:
     destroying it would join the thread waiting in it, and so would the interpreter's exit, so
-    the group is left allocated for the life of the process (one per failed sync)."""
+    the group is left allocated for the life of the process (one per failed sync). Returns
+    whether it was pinned so."""
     abort = getattr(pg, "abort", None)
     if abort is not None:
         with contextlib.suppress(RuntimeError):
             abort()
-    if not work.is_completed():
-        for obj in (pg, work):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    if work.is_completed():
+        return False
+    for obj in (pg, work):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    return True
 
 
-def signal_abort(host: str, port: int, name: str, timeout_s: float = 10.0) -> None:
+def signal_abort(host: str, port: int, name: str, timeout_s: float = 5.0) -> None:
     """Abort group `name`: set its key in the TCPStore that its rank 0 hosts at `host:port`
     (the driver's side; every member leaves the group within `ABORT_CHECK_S`)."""
     store = dist.TCPStore(
@@ -197,6 +200,7 @@ class BroadcastGroup:
         self.rank, self.size, self.backend = rank, size, backend
         self.per_tensor = per_tensor
         self.abort_key = abort_key(name)
+        self._in_flight: dist.Work | None = None
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -216,17 +220,37 @@ class BroadcastGroup:
 
     def _broadcast(self, buf: Tensor) -> None:
         """One broadcast from rank 0; on an abort or an error this member leaves the group (it
-        cannot be used again: the next sync forms a new one)."""
+        cannot be used again: the next sync forms a new one).
+
+        Rank 0 on a GPU keeps one broadcast in flight: a plain NCCL wait (the current stream
+        waits for it) lets the host go on to gather the next bucket, and the one before is
+        waited for, abort key and all, when the next is sent (`drain` waits for the last)."""
         if self.pg is None:
             raise SyncAborted("weight sync: this member left its group after a failure")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        work = self.pg.broadcast([buf], opts)
+        work: dist.Work | None = self.pg.broadcast([buf], opts)
+        if self.rank == 0 and buf.is_cuda:
+            work.wait()
+            work, self._in_flight = self._in_flight, work
+        if work is not None:
+            self._finish(work)
+
+    def drain(self) -> None:
+        """Root: wait for the broadcast still in flight (see `_broadcast`); call after the last."""
+        work, self._in_flight = self._in_flight, None
+        if work is not None:
+            self._finish(work)
+
+    def _finish(self, work: dist.Work) -> None:
         try:
             finish(work, self.store, self.abort_key)
         except Exception:
-            abandon(self.pg, work)
-            self.pg = None
+            pinned = abandon(self.pg, work)
+            if self._registered and not pinned:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(self.pg)
+            self.pg, self._in_flight = None, None
             raise
 
     def send(self, state: Mapping[str, Tensor], buckets: list[list[TensorMeta]]) -> int:
@@ -235,6 +259,7 @@ class BroadcastGroup:
         for bucket in buckets:
             flat = torch.cat([state[m.name].detach().reshape(-1).to(self.device) for m in bucket])
             sent += self.send_flat(flat)
+        self.drain()
         return sent
 
     def send_flat(self, flat: Tensor, bucket: list[TensorMeta] | None = None) -> int:

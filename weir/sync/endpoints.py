@@ -288,6 +288,12 @@ class SyncTrainerRank(TrainerRank):
                 del flat
                 if staging is not None and staging.error is not None:
                     error = staging.error
+            group = (self._groups or {}).get(role) if root else None
+            if group is not None and error is None:
+                try:
+                    group.drain()  # the last broadcast in flight (NCCL)
+                except Exception as err:
+                    error = err
             if staging is not None:
                 staging.drain()
                 error = error or staging.error

@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 SERVER_TRANSPORTS = ("broadcast", "disk", "adapter")
 
 
+_GROUPS = itertools.count()
+"""Numbers the broadcast groups of this process: a group's name is taken once (torch keeps the
+names of groups built SGLang's way, and two syncs of one process may each form groups)."""
+
+
 class DeliveryFailed(RuntimeError):
     """A broadcast failed half way and its group was aborted. `wedged`: the URLs of servers still
     waiting in it after `ABORT_GRACE_S` (they need a restart to take weights again)."""
@@ -114,7 +119,6 @@ class ServerSync:
         self._members: tuple[str, ...] | None = None  # the servers (urls) in the current group
         self._address: tuple[str, int] | None = None  # rank 0's TCPStore of the current group
         self._name = ""
-        self._generation = itertools.count()
         self._pushed = False
         self._trained_at_push = 0
         self._lock = threading.Lock()
@@ -182,56 +186,69 @@ class ServerSync:
             self._abandon(receiving)
             await asyncio.to_thread(self._signal_abort)
             raise
-        failed = [t for t in everyone if t.done() and t.exception() is not None]
-        if failed:
-            await self._abort(urls, sending, receiving, repr(failed[0].exception()))
+        if any(t.done() and t.exception() is not None for t in everyone):
+            await self._abort(urls, sending, receiving)
         await self._reset_caches(urls)
         return sending.result()
 
     async def _abort(
-        self,
-        urls: list[str],
-        sending: asyncio.Future,
-        receiving: list[asyncio.Future],
-        cause: str,
+        self, urls: list[str], sending: asyncio.Future, receiving: list[asyncio.Future]
     ) -> None:
         """Abort the current group (a member failed): set its abort key, give every member
         `ABORT_GRACE_S` to leave, cancel the requests of those still in it, raise
-        `DeliveryFailed` naming them."""
+        `DeliveryFailed` naming them, from the first server's failure (else rank 0's). A trainer
+        rank that died is raised as it is (`TrainerFailed`: the run stops on it)."""
+        from weir.cluster.ray_cluster import TrainerFailed
+
         self._members = None
         await asyncio.to_thread(self._signal_abort)
         _, pending = await asyncio.wait([sending, *receiving], timeout=ABORT_GRACE_S)
         wedged = frozenset(u for u, t in zip(urls, receiving, strict=True) if t in pending)
         for t in pending:
             t.cancel()
-        for t in [sending, *receiving]:
-            if t.done() and not t.cancelled():
-                t.exception()  # retrieved: the cause is in the message
+        errors = [t.exception() for t in [*receiving, sending] if t.done() and not t.cancelled()]
+        errors = [e for e in errors if e is not None]
+        if sending.done() and isinstance(sending.exception(), TrainerFailed):
+            raise sending.exception()
+        cause = errors[0] if errors else None
         raise DeliveryFailed(
-            f"weight sync: a member of group {self._name} failed ({cause}); the group was "
+            f"weight sync: a member of group {self._name} failed ({cause!r}); the group was "
             f"aborted" + (f", servers still in it: {sorted(wedged)}" if wedged else ""),
             wedged,
-        )
+        ) from cause
 
-    def _signal_abort(self) -> None:
-        """Set the current group's abort key in trainer rank 0's TCPStore (a warning if that
-        store is gone with rank 0: its members' polls of it fail then, which ends them too)."""
-        if self._address is None:
+    def _signal_abort(self, group: tuple[tuple[str, int] | None, str] | None = None) -> None:
+        """Set the abort key of `group` ((rank 0's store address, name); the current group by
+        default) in trainer rank 0's TCPStore; a warning if that store is gone with rank 0 (its
+        members' polls of it fail then, which ends them too)."""
+        address, name = group if group is not None else (self._address, self._name)
+        if address is None:
             return
         try:
-            signal_abort(*self._address, self._name)
+            signal_abort(*address, name)
         except Exception as err:
-            log.warning("weight sync: could not set the abort key of %s: %s", self._name, err)
+            log.warning("weight sync: could not set the abort key of %s: %s", name, err)
 
     def _receive(self, urls: list[str]) -> list[asyncio.Future]:
-        """In the engine's loop: every server at `urls` starts receiving the buckets."""
+        """In the engine's loop: every server at `urls` starts receiving the buckets. One whose
+        request fails sets the group's abort key at once: rank 0 may be sending in a thread
+        that nothing else watches (`restore`)."""
         backend, client, buckets = self.engine.backend, self.engine._client, self._layout()
-        return [
+        tasks = [
             asyncio.ensure_future(
                 backend.receive_broadcast(client, url, buckets, self._name, self.verify)
             )
             for url in urls
         ]
+        group = (self._address, self._name)  # this group's, not the one a retry forms later
+
+        def abort_on_failure(task: asyncio.Future) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                threading.Thread(target=self._signal_abort, args=(group,), daemon=True).start()
+
+        for task in tasks:
+            task.add_done_callback(abort_on_failure)
+        return tasks
 
     def _send(self, version: int) -> int:
         """Collective over the trainer ranks (blocking): every bucket gathered and broadcast;
@@ -273,7 +290,7 @@ class ServerSync:
         sizes = await asyncio.gather(*(backend.workers(client, url) for url in urls))
         rank0 = self.trainer.rank0
         host, port = (await asyncio.to_thread(self.trainer.get, [rank0.sync_address.remote()]))[0]
-        name = f"weir-sync-{self.role or 'policy'}-{next(self._generation)}"
+        name = f"weir-sync-{self.role or 'policy'}-{next(_GROUPS)}"
         world = 1 + sum(sizes)
         offsets = list(itertools.accumulate([1, *sizes]))[:-1]
         root = asyncio.to_thread(
