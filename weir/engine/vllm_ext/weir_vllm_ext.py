@@ -121,6 +121,7 @@ class WeirWorkerExtension:
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         names = {m[0] for bucket in buckets for m in bucket}
         digests: dict[str, str] = {}
+        failed: list[Exception] = []
 
         def stream():
             opts = dist.BroadcastOptions()
@@ -131,10 +132,15 @@ class WeirWorkerExtension:
                 work = pg.broadcast([flat], opts)
                 try:
                     _finish(work, store, abort_key)
-                except Exception:
+                except Exception as err:
                     self._weir_group = None  # unusable: the next sync forms a new group
                     _abandon(pg, work)
-                    raise
+                    # end the reload rather than raise into it: vLLM finishes its layerwise
+                    # reload only when the iterator ends (a raise leaves its layers on the meta
+                    # device with wrapped loaders, and every later reload fails); the layers
+                    # loaded so far hold new weights, the others keep theirs, until the retry
+                    failed.append(err)
+                    return
                 if flat.is_cuda:
                     torch.cuda.current_stream().synchronize()
                 # vLLM's reload holds a layer's tensors until the layer has all of them: the
@@ -157,6 +163,9 @@ class WeirWorkerExtension:
                 del flat, part, t
 
         self.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        if failed:
+            self._weir_digest = None
+            raise failed[0]
         self._weir_digest = combine_digests(digests) if digest else None
         return {"tensors": len(names)}
 
