@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 Tensor = torch.Tensor
+
+log = logging.getLogger(__name__)
 
 ABORT_CHECK_S = 0.25
 """How often a member waiting for a collective looks for its group's abort key (a TCPStore
@@ -68,27 +71,28 @@ def abandon(pg: dist.ProcessGroup, work: dist.Work) -> bool:
 
 def signal_abort(host: str, port: int, name: str, timeout_s: float = 5.0) -> None:
     """Abort group `name`: set its key in the TCPStore that its rank 0 hosts at `host:port`
-    (the driver's side; every member leaves the group within `ABORT_CHECK_S`)."""
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    store.set(abort_key(name), "1")
+    (the driver's side; every member leaves the group within `ABORT_CHECK_S`). A warning if
+    that store is gone with rank 0: its members' polls of it fail then, which ends them too."""
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        store.set(abort_key(name), "1")
+    except Exception as err:
+        log.warning("weight sync: could not set the abort key of %s: %s", name, err)
 
 
-def finish(work: dist.Work, store: dist.Store | None, key: str) -> None:
+def finish(work: dist.Work, store: dist.Store, key: str) -> None:
     """Wait for a collective's `work`; `SyncAborted` if `key` appears in `store` first (then the
     collective may never finish: the caller aborts its process group).
 
     Polls: a yield of the thread for the first 5 ms (a bucket on NCCL takes about a millisecond,
     so a sleep would add its granularity to every bucket), then 0.5 ms sleeps; the store is asked
-    every `ABORT_CHECK_S`. Without a store, a plain blocking wait."""
-    if store is None:
-        work.wait()
-        return
+    every `ABORT_CHECK_S`."""
     start = time.monotonic()
     check = start + ABORT_CHECK_S
     while not work.is_completed():

@@ -228,11 +228,7 @@ class WeightSync:
 
         self._members = None
         if self._group is not None:
-            host, port, name = self._group
-            try:
-                signal_abort(host, port, name)
-            except Exception as err:  # rank 0's store gone with it: the members' polls fail
-                log.warning("weight sync: could not set the abort key of %s: %s", name, err)
+            signal_abort(*self._group)
         ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_S)
 
     def _form_group(self, live: list[tuple[int, Any]]) -> None:

@@ -183,8 +183,7 @@ class ServerSync:
         try:
             await asyncio.wait(everyone, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:  # cancelled: the members must not stay in a broadcast
-            self._abandon(receiving)
-            await asyncio.to_thread(self._signal_abort)
+            await self._cancel(receiving)
             raise
         if any(t.done() and t.exception() is not None for t in everyone):
             await self._abort(urls, sending, receiving)
@@ -219,15 +218,10 @@ class ServerSync:
 
     def _signal_abort(self, group: tuple[tuple[str, int] | None, str] | None = None) -> None:
         """Set the abort key of `group` ((rank 0's store address, name); the current group by
-        default) in trainer rank 0's TCPStore; a warning if that store is gone with rank 0 (its
-        members' polls of it fail then, which ends them too)."""
+        default) in trainer rank 0's TCPStore (`weir.sync.broadcast.signal_abort`)."""
         address, name = group if group is not None else (self._address, self._name)
-        if address is None:
-            return
-        try:
+        if address is not None:
             signal_abort(*address, name)
-        except Exception as err:
-            log.warning("weight sync: could not set the abort key of %s: %s", name, err)
 
     def _receive(self, urls: list[str]) -> list[asyncio.Future]:
         """In the engine's loop: every server at `urls` starts receiving the buckets. One whose
