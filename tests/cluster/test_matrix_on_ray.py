@@ -377,14 +377,17 @@ def test_one_process_with_vllm_runs_separate_policies_with_lora_adapters(
 
 @pytest.mark.slow
 def test_a_vllm_server_killed_during_a_weight_broadcast_costs_the_update_nothing(
-    servers, model_dir, tmp_path
+    servers, model_dir, tmp_path, monkeypatch
 ):
     """Two trainer ranks stream 64 KB buckets to the module's two vLLM servers; one is killed
     (SIGKILL, its process group) while it receives. The sync aborts the group, the update goes
     again to the survivor, whose weights are then the trainer's exactly (the digest of what it
     loaded, after a first load that broke off half way); the killed server restarts, gets the
     current weights streamed from the shards, and the next push lands on both, checked the same
-    way. Runs last in the module: it restarts a server of the module's fixture."""
+    way. Then the same server is stopped (SIGSTOP: a host gone without a TCP reset) as a new
+    group forms: its unanswered /health checks abort the forming group, the other server's
+    worker extension leaves the rendezvous (so only the stopped one restarts), and the update
+    lands on the other. Runs last in the module: it restarts a server of the module's fixture."""
     import threading
     import time
 
@@ -450,6 +453,33 @@ def test_a_vllm_server_killed_during_a_weight_broadcast_costs_the_update_nothing
             f"took {got['time/sync']:.2f} s: {servers.update_retries} update retries, "
             f"{servers.restarts} restarts"
         )
+
+        import weir.sync.server_sync as server_sync
+
+        monkeypatch.setattr(server_sync, "LIVENESS_PERIOD_S", 1.0)
+        monkeypatch.setattr(server_sync, "LIVENESS_MISSES", 2)
+        monkeypatch.setattr(server_sync, "ABORT_GRACE_S", 10.0)
+
+        async def join_and_stop(client, url, *args):
+            if url == victim.url:
+                os.killpg(victim.process.pid, signal.SIGSTOP)
+            return await init(client, url, *args)
+
+        init = backend.init_broadcast
+        backend.init_broadcast = join_and_stop
+        try:
+            sync._members = None  # as after a restart: the next push forms a new group
+            retries, restarts = servers.update_retries, servers.restarts
+            trainer.train(make_batch(toy_groups(), version=version + 1))
+            got = sync.push(version + 2)
+        finally:
+            backend.init_broadcast = init
+        assert got["sync/verified"] == 1.0 and servers.healthy == [True, False]
+        assert servers.update_retries == retries + 1 and got["time/sync"] < 60
+        assert servers.wait_healthy(600), "the stopped server did not come back"
+        assert servers.restarts == restarts + 1  # the other left the rendezvous: not wedged
+        assert servers.version == version + 2
+        print(f"a server stopped as its group formed: the push took {got['time/sync']:.2f} s")
     finally:
         backend.receive_broadcast = receive
         trainer.shutdown()

@@ -1,6 +1,6 @@
 """A stand-in for an SGLang server, written from SGLang's documented native HTTP API (it is NOT
-SGLang): ``/health``, streaming ``/generate`` with ``input_ids`` and ``return_logprob``,
-``/update_weights_from_disk``, ``/flush_cache``, ``/release_memory_occupation`` and
+SGLang): ``/health``, ``/get_model_info``, streaming ``/generate`` with ``input_ids`` and
+``return_logprob``, ``/update_weights_from_disk``, ``/flush_cache``, ``/release_memory_occupation`` and
 ``/resume_memory_occupation``, ``/get_server_info``, and the distributed weight update:
 ``/init_weights_update_group`` joins the trainer's group the way SGLang's
 ``init_custom_process_group`` builds it (a ``tcp://`` rendezvous, the store prefixed by the group
@@ -84,6 +84,8 @@ class StandIn:
             def do_GET(self):
                 if self.path == "/health" and not standin.dead:
                     self._json(200, {})
+                elif self.path == "/get_model_info":
+                    self._json(200, {"model_path": "stand-in", "is_generation": True})
                 elif self.path == "/get_server_info":
                     self._json(200, {"tp_size": 1, "version": "stand-in"})
                 elif self.path == "/received":  # for tests: what the group delivered, and when

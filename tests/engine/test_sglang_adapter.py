@@ -409,16 +409,24 @@ def test_weights_reach_sglang_over_its_distributed_update_protocol(tmp_path):
         trainer.pool.shutdown(wait=False)
 
 
-def test_an_sglang_server_dying_during_a_weight_broadcast_leaves_the_run_going(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("fault", "at"),
+    [("killed", "bucket"), ("stopped", "bucket"), ("stopped", "join")],
+)
+def test_an_sglang_server_failing_during_a_weight_broadcast_leaves_the_run_going(
+    fault, at, tmp_path, monkeypatch, caplog
 ):
-    """Two owned SGLang stand-ins take ~1 KB buckets over SGLang's distributed protocol; the
-    second is killed (SIGKILL) as it asks for its third bucket. The sync aborts the group (rank 0
-    leaves at once); the first server cannot abort its side (SGLang's endpoint, as the stand-in's,
-    waits in the broadcast), so after the grace it counts as wedged; both are restarted, the
-    update is done with the version moved, and each server gets the new weights streamed from
-    the shards when it is back: every tensor bit for bit."""
+    """Two owned SGLang stand-ins take ~1 KB buckets over SGLang's distributed protocol. The
+    second fails as it asks for its third bucket (`at="bucket"`) or to join the group
+    (`at="join"`): killed (SIGKILL: its connections reset), or stopped (SIGSTOP: as a host that
+    vanished without a TCP reset; its connections stay open and nothing answers, so only its
+    unanswered /health checks tell). The sync aborts the group (rank 0 leaves at once, also from
+    the rendezvous); the first server cannot abort its side (SGLang's endpoint, as the
+    stand-in's, waits in the broadcast or the rendezvous), so after the grace it counts as
+    wedged; both are restarted, the update is done with the version moved, and each server gets
+    the new weights streamed from the shards when it is back: every tensor bit for bit."""
     import json
+    import logging
     import os
     import signal
     import time
@@ -428,6 +436,12 @@ def test_an_sglang_server_dying_during_a_weight_broadcast_leaves_the_run_going(
     from weir.sync.server_sync import ServerSync
 
     monkeypatch.setattr(server_sync, "ABORT_GRACE_S", 2.0)
+    monkeypatch.setattr(server_sync, "LIVENESS_PERIOD_S", 0.3)
+    monkeypatch.setattr(server_sync, "LIVENESS_MISSES", 2)
+    path, nth = {
+        "bucket": ("/update_weights_from_distributed", 3),
+        "join": ("/init_weights_update_group", 1),
+    }[at]
     script = Path(__file__).with_name("sglang_standin.py")
     procs = []
     for i in range(2):
@@ -446,13 +460,17 @@ def test_an_sglang_server_dying_during_a_weight_broadcast_leaves_the_run_going(
     trainer = _Trainer(state)
     calls = [0]
 
+    failing = path
+
     class Dying(SglangBackend):
         async def _post(self, client, url, path, body=None):
-            if url == procs[1].url and path == "/update_weights_from_distributed":
+            if url == procs[1].url and path == failing:
                 calls[0] += 1
-                if calls[0] == 3:
+                if calls[0] == nth and fault == "killed":
                     os.killpg(procs[1].proc.pid, signal.SIGKILL)
                     procs[1].proc.wait(10)
+                elif calls[0] == nth:
+                    os.killpg(procs[1].proc.pid, signal.SIGSTOP)
             return await super()._post(client, url, path, body)
 
     engine = ServerEngine(
@@ -471,8 +489,12 @@ def test_an_sglang_server_dying_during_a_weight_broadcast_leaves_the_run_going(
     try:
         sync = ServerSync(trainer, engine, bucket_mb=1e-3, backend="gloo")
         start = time.monotonic()
-        stats = sync.push(1)
-        assert calls[0] == 3 and time.monotonic() - start < 60  # not gloo's 600 s
+        with caplog.at_level(logging.WARNING, logger="weir.engine.server_engine"):
+            stats = sync.push(1)
+        assert calls[0] == nth and time.monotonic() - start < 60  # not gloo's 600 s
+        unanswered = [u for u in (p.url for p in procs) if f"{u} answered none" in caplog.text]
+        # a stopped server is found by its checks; the busy one answers them all along
+        assert unanswered == ([procs[1].url] if fault == "stopped" else []), caplog.text
         assert stats["cluster/sync_retries"] == 1 and engine.version == 1
         assert engine.wait_healthy(120), "the servers did not come back"
         assert engine.restarts == 2

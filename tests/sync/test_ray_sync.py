@@ -1,5 +1,5 @@
 """After a sync on Ray, every engine replica holds the trainer's weights and version, also when one
-dies while the weights travel."""
+dies while the weights travel or before it joins the group they travel in."""
 
 from __future__ import annotations
 
@@ -93,10 +93,36 @@ def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir
         assert router.wait_healthy(120) and router.restarts >= 1
         assert ray.get([e.weights_hash.remote(None) for e in engines]) == [want, want]
         assert ray.get([e.version.remote() for e in engines]) == [version, version]
+
+        # replica 1 dies for good as the next push forms a group (after it told its device, as
+        # it is asked to join): its join fails, the forming group is aborted (rank 0 and replica 0
+        # would wait for it in gloo's rendezvous until its 600 s timeout, and rank 0 would take
+        # no other call meanwhile), and the push goes again, in a new group, to replica 0
+        trainer.train(batch)
+        sync._members = None  # as after a replica's restart: the next push forms a new group
+        router.replicas[1] = _DiesAtJoin(engines[1])
+        stats = sync.push(version + 1)
+        assert sync.retries == 2, "the dead replica did not fail the group's formation"
+        assert stats["time/sync"] < 60
+        want = trainer.call("weights_hash")[0]
+        assert ray.get(engines[0].weights_hash.remote(None)) == want
+        assert ray.get(engines[0].version.remote()) == version + 1
         router.close()
         trainer.shutdown()
     finally:
         cluster.shutdown()
+
+
+class _DiesAtJoin:
+    """A replica's actor handle that kills the actor (for good) when asked to join a group."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def __getattr__(self, name: str):
+        if name == "join":
+            ray.kill(self.actor, no_restart=True)
+        return getattr(self.actor, name)
 
 
 def _generate(router) -> None:

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -132,6 +133,55 @@ def test_a_member_dying_half_way_aborts_the_group_and_the_others_form_a_new_one(
 
     def again(rank: int) -> None:
         g = BroadcastGroup("127.0.0.1", port2, rank, 3, name="t2")
+        got[rank] = g.send(state, buckets) if rank == 0 else g.recv(buckets)
+
+    threads = [threading.Thread(target=again, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)
+
+
+@pytest.mark.parametrize("style", ["weir", "sglang"])
+def test_a_member_that_never_joins_is_aborted_while_the_group_forms(style, tiny_model_dir):
+    """Three of four members come, the fourth never does (it died before it joined). Left alone,
+    gloo's rendezvous would hold the three until its 600 s timeout; with the group's abort key
+    set, rank 0 and (weir's own members) the others leave within seconds, and the three form a new
+    group that delivers every tensor. In SGLang's style only rank 0 is weir's: the server side
+    is SGLang's own and is not abortable (the driver restarts such a server)."""
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    buckets = plan_buckets([TensorMeta.of(k, v) for k, v in state.items()], 256 * 1024)
+    port = free_port()
+    ended: dict[int, BaseException | None] = {}
+    ours = (0, 1, 2) if style == "weir" else (0,)
+
+    def member(rank: int) -> None:
+        try:
+            BroadcastGroup("127.0.0.1", port, rank, 4, name="f", style=style)
+            ended[rank] = None
+        except BaseException as err:
+            ended[rank] = err
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in ours]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    assert not ended, f"members formed a group of four with one missing: {ended}"
+    start = time.monotonic()
+    signal_abort("127.0.0.1", port, "f")
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - start < 10 * ABORT_CHECK_S + 5
+    assert set(ended) == set(ours)
+    assert all(isinstance(e, SyncAborted) for e in ended.values()), ended
+    if style == "sglang":
+        return  # its members register the group's name process-wide: one process cannot be three
+
+    port2, got = free_port(), {}
+
+    def again(rank: int) -> None:
+        g = BroadcastGroup("127.0.0.1", port2, rank, 3, name="f2")
         got[rank] = g.send(state, buckets) if rank == 0 else g.recv(buckets)
 
     threads = [threading.Thread(target=again, args=(r,)) for r in range(3)]

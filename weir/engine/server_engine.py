@@ -51,6 +51,9 @@ class ServerBackend(Protocol):
     """What differs between engine servers; see `VllmBackend` and `SglangBackend`."""
 
     name: str
+    liveness_path: str
+    """A GET that the server's HTTP process answers by itself, also while its workers are busy
+    (loading weights): a weight update asks it to tell a server that is gone from a busy one."""
 
     def request(
         self, context: list[int], params: SamplingParams, max_tokens: int, seed: int

@@ -176,11 +176,13 @@ class ServerProcess:
         )
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`."""
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`. A stopped server
+        (SIGSTOP, a debugger) is continued after the SIGTERM so that it can act on it."""
         if self.proc is None or self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGCONT)
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:

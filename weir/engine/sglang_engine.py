@@ -49,6 +49,9 @@ class SglangBackend:
     """How weir speaks to an SGLang server (native API)."""
 
     name = "sglang"
+    # SGLang's /health generates a token through the scheduler (up to 20 s), which a weight
+    # update keeps busy; its model info is the HTTP process's own
+    liveness_path = "/get_model_info"
 
     def request(
         self, context: list[int], params: SamplingParams, max_tokens: int, seed: int

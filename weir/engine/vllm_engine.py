@@ -51,6 +51,7 @@ class VllmBackend:
     """How weir speaks to a vLLM OpenAI-compatible server."""
 
     name = "vllm"
+    liveness_path = "/health"  # the API process's own check (is the engine core dead), no request
     adapter: str | None = None  # the LoRA adapter requests run with (lora.sync=adapter)
 
     def request(

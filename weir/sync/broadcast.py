@@ -12,7 +12,9 @@ A member that dies half way leaves the others blocked in a collective that canno
 and NCCL pass a bucket along a tree). So every member waits for its collectives by polling, and
 between polls looks for the group's abort key (`abort_key`) in rank 0's TCPStore: the driver sets
 it when a member failed, and every member then aborts its side of the group and raises
-`SyncAborted` within `ABORT_CHECK_S`, ready to join the next group.
+`SyncAborted` within `ABORT_CHECK_S`, ready to join the next group. Forming a group waits the same
+way (`form`): a member that never arrives would otherwise hold the others in the backend's
+rendezvous until its timeout.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import contextlib
 import ctypes
 import datetime
 import logging
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -105,6 +109,57 @@ def finish(work: dist.Work, store: dist.Store, key: str) -> None:
     work.wait()  # raises the collective's error; on NCCL orders the current stream after it
 
 
+T = TypeVar("T")
+
+
+def form(make: Callable[[], T], host: str, port: int, key: str) -> T:
+    """Build a process group by ``make()`` (it returns once every member has arrived) and return
+    it; `SyncAborted` if `key` appears first in the TCPStore at `host:port` (rank 0's: the driver
+    aborted the group, a member died or hangs before it joined).
+
+    ``make`` runs in a daemon thread of its own, since the backends' rendezvous cannot be
+    interrupted: after an abort that thread is left to end at the group's timeout (it holds a
+    half-built group, never a collective, and does not hold up the process's exit). The key is
+    looked for every `ABORT_CHECK_S` through a connection of its own: a TCPStore client serves one
+    request at a time, and the rendezvous holds the group's in a blocking wait."""
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=ABORT_GRACE_S),
+        wait_for_workers=False,
+    )
+    done: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            done["group"] = make()
+        except BaseException as err:  # handed to the caller below
+            done["error"] = err
+
+    thread = threading.Thread(target=build, name=f"weir-form-{key}", daemon=True)
+    thread.start()
+    while True:
+        thread.join(ABORT_CHECK_S)
+        if not thread.is_alive():
+            break
+        if store.check([key]):
+            raise SyncAborted(f"weight sync: group aborted by the driver while it formed ({key})")
+    if "error" in done:
+        raise done["error"]  # type: ignore[misc]
+    return done["group"]  # type: ignore[return-value]
+
+
+def eager_connect(pg: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup:
+    """Create an NCCL group's communicator now, inside `form`'s abortable wait, instead of at its
+    first collective (NCCL makes it lazily there, where a member that never came would hold the
+    others in its bootstrap until the timeout). Other backends connect in their constructor."""
+    connect = getattr(pg, "eager_connect_single_device", None)
+    if device.type == "cuda" and connect is not None:
+        connect(device)
+    return pg
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What a receiver needs to rebuild one tensor from a bucket."""
@@ -160,7 +215,12 @@ def sglang_style_group(
     host: str, port: int, rank: int, size: int, backend: str, name: str, timeout
 ) -> tuple[dist.ProcessGroup, dist.Store]:
     """A process group built as SGLang builds its weight-update group (see `STYLES`), and the
-    rendezvous's TCPStore (rank 0 hosts it)."""
+    rendezvous's TCPStore (rank 0 hosts it).
+
+    Rank 0 (weir's trainer) hosts the store without waiting for the others to connect, as the
+    ``tcp://`` rendezvous's own master would, and builds its side in `form`: a server that never
+    joins is then aborted by the driver like a member that dies later. The other ranks (SGLang's
+    side, or a stand-in for it) join as SGLang does."""
     from torch.distributed.distributed_c10d import (
         PrefixStore,
         _new_process_group_helper,
@@ -168,13 +228,22 @@ def sglang_style_group(
         rendezvous,
     )
 
-    store, rank, size = next(rendezvous(f"tcp://{host}:{port}", rank, size, timeout=timeout))
+    if rank == 0:
+        store = dist.TCPStore(
+            host, port, size, True, timeout=timeout, multi_tenant=True, wait_for_workers=False
+        )
+    else:
+        store, rank, size = next(rendezvous(f"tcp://{host}:{port}", rank, size, timeout=timeout))
     store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(
-        size, rank, [], backend, PrefixStore(name, store), group_name=name, timeout=timeout
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(size)}
-    return pg, store
+
+    def make() -> dist.ProcessGroup:
+        pg, _ = _new_process_group_helper(
+            size, rank, [], backend, PrefixStore(name, store), group_name=name, timeout=timeout
+        )
+        _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+        return pg
+
+    return (form(make, host, port, abort_key(name)) if rank == 0 else make()), store
 
 
 class BroadcastGroup:
@@ -217,10 +286,13 @@ class BroadcastGroup:
             host, port, size, rank == 0, timeout=timeout, wait_for_workers=False
         )
         prefix = dist.PrefixStore(name, self.store)
-        if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(prefix, rank, size)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+        def make() -> dist.ProcessGroup:
+            if backend == "nccl":
+                return eager_connect(dist.ProcessGroupNCCL(prefix, rank, size), self.device)
+            return dist.ProcessGroupGloo(prefix, rank, size, timeout)
+
+        self.pg = form(make, host, port, self.abort_key)
 
     def _broadcast(self, buf: Tensor) -> None:
         """One broadcast from rank 0; on an abort or an error this member leaves the group (it

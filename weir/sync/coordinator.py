@@ -215,7 +215,7 @@ class WeightSync:
                 rank.stream.remote(buckets, shared if r == 0 else [], version, self.role)
                 for r, rank in enumerate(self.trainer.ranks)
             ]
-            if _fails(ranks + recv) and self._members:
+            if _first_failure(ranks + recv) is not None and self._members:
                 self._abort(ranks + recv)  # the others would wait for the failed member
             sent = self.trainer.get(ranks)[0]
         ray.get(recv)
@@ -232,9 +232,12 @@ class WeightSync:
         ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_S)
 
     def _form_group(self, live: list[tuple[int, Any]]) -> None:
-        """Split the live replicas into handle takers (rank 0's device) and a broadcast group."""
+        """Split the live replicas into handle takers (rank 0's device) and a broadcast group. A
+        member that fails to join (Ray reports it dead) aborts the forming group, as a failure
+        during a push does: the others would wait for it in the rendezvous until its timeout."""
         import ray
 
+        self._members = None
         root = self.trainer.get([self.trainer.rank0.device_key.remote()])[0]
         keys = ray.get([r.device_key.remote() for _, r in live])
         same = [k == root and (k[1] != "cpu" or self.host_handles) for k in keys]
@@ -255,8 +258,12 @@ class WeightSync:
                 r.join.remote(host, port, k + 1, size, name, self.backend)
                 for k, (_, r) in enumerate(members)
             ]
-            ray.get(refs)
             self._group = (host, port, name)
+            failed = _first_failure(refs)
+            if failed is not None:
+                signal_abort(host, port, name)
+                ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_S)
+                raise failed
         self._members = tuple(i for i, _ in members)
 
     def restore(self, index: int, actor: Any) -> None:
@@ -285,8 +292,8 @@ class WeightSync:
             self._members = None
 
 
-def _fails(refs: list) -> bool:
-    """Wait for `refs`, True at the first that fails (the others may be pending), False once
+def _first_failure(refs: list) -> Exception | None:
+    """Wait for `refs`: the error of the first that fails (the others may be pending), None once
     every one succeeded."""
     import ray
 
@@ -295,6 +302,6 @@ def _fails(refs: list) -> bool:
         ready, pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(ready[0])
-        except Exception:
-            return True
-    return False
+        except Exception as err:
+            return err
+    return None

@@ -30,7 +30,16 @@ the group within a quarter of a second (`weir.sync.broadcast.finish`); `Delivery
 tells the engine, which restarts the dead server and has the update go again to the others in a
 new group (`ServerEngine.update_with_sync`). A server whose side cannot be aborted (SGLang's own
 receiving endpoint) and is still waiting `ABORT_GRACE_S` later is named `wedged`: the engine
-restarts it too.
+restarts it too. The same holds while the group forms: a server whose join fails aborts it (rank
+0 and weir's own members wait for the others by polling the abort key, `weir.sync.broadcast
+.form`).
+
+A server whose host vanishes without a TCP reset (power, network partition) fails no request:
+its connections stay open and nothing answers. So while a group forms and while the weights
+travel, the driver asks every server a cheap GET (`liveness_path`: vLLM's /health, SGLang's
+/get_model_info, which its HTTP process answers while its scheduler is busy) every
+`LIVENESS_PERIOD_S`; one that leaves `LIVENESS_MISSES` checks in a row unanswered counts as
+failed (`ServerUnresponsive`), and the group is aborted as above.
 """
 
 from __future__ import annotations
@@ -55,6 +64,20 @@ SERVER_TRANSPORTS = ("broadcast", "disk", "adapter")
 _GROUPS = itertools.count()
 """Numbers the broadcast groups of this process: a group's name is taken once (torch keeps the
 names of groups built SGLang's way, and two syncs of one process may each form groups)."""
+
+
+LIVENESS_PERIOD_S = 5.0
+"""How often a weight update checks that each of its servers answers (`ServerSync._liveness`),
+and how long each answer may take."""
+
+LIVENESS_MISSES = 3
+"""Unanswered /health checks in a row after which a weight update counts a server as lost (a
+host gone without a TCP reset): about `LIVENESS_PERIOD_S` x (2 x this) seconds after it went."""
+
+
+class ServerUnresponsive(RuntimeError):
+    """A server of a weight update stopped answering its liveness check (`LIVENESS_MISSES` in a
+    row)."""
 
 
 class DeliveryFailed(RuntimeError):
@@ -179,37 +202,75 @@ class ServerSync:
         await self._form_group(urls)
         receiving = self._receive(urls)
         sending = asyncio.ensure_future(asyncio.to_thread(self._send, version))
-        everyone = [sending, *receiving]
-        try:
-            await asyncio.wait(everyone, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:  # cancelled: the members must not stay in a broadcast
-            await self._cancel(receiving)
-            raise
-        if any(t.done() and t.exception() is not None for t in everyone):
-            await self._abort(urls, sending, receiving)
+        await self._watched(urls, sending, receiving)
         await self._reset_caches(urls)
         return sending.result()
 
-    async def _abort(
-        self, urls: list[str], sending: asyncio.Future, receiving: list[asyncio.Future]
+    async def _watched(
+        self, urls: list[str], root: asyncio.Future, servers: list[asyncio.Future]
     ) -> None:
-        """Abort the current group (a member failed): set its abort key, give every member
-        `ABORT_GRACE_S` to leave, cancel the requests of those still in it, raise
-        `DeliveryFailed` naming them, from the first server's failure (else rank 0's). A trainer
-        rank that died is raised as it is (`TrainerFailed`: the run stops on it)."""
+        """Wait for rank 0's side (`root`) and the servers' (`servers`, one per URL) of the
+        current group. At the first failure, or a server that stops answering (`_liveness`), the
+        group is aborted (`_abort`: `DeliveryFailed`). Cancelled: the members leave the group."""
+        watch = asyncio.ensure_future(self._liveness(urls))
+        everyone = [root, *servers]
+        cause: BaseException | None = None
+        try:
+            pending = {*everyone, watch}
+            while cause is None and not all(t.done() for t in everyone):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+                cause = failed[0].exception() if failed else None
+        except BaseException:  # cancelled: the members must not stay in a broadcast
+            await self._cancel(servers)
+            raise
+        finally:
+            watch.cancel()
+        if cause is not None:
+            await self._abort(urls, root, servers, cause)
+
+    async def _liveness(self, urls: list[str]) -> None:
+        """Raise `ServerUnresponsive` once a server at `urls` has left `LIVENESS_MISSES` checks
+        in a row unanswered (one every `LIVENESS_PERIOD_S`, each given as long): a GET of the
+        backend's `liveness_path`, which its HTTP process answers while its workers load."""
+        from weir.engine.servers import http_ok
+
+        path = self.engine.backend.liveness_path
+        misses = dict.fromkeys(urls, 0)
+        while True:
+            await asyncio.sleep(LIVENESS_PERIOD_S)
+            answers = await asyncio.gather(
+                *(asyncio.to_thread(http_ok, u + path, LIVENESS_PERIOD_S) for u in urls)
+            )
+            for url, answered in zip(urls, answers, strict=True):
+                misses[url] = 0 if answered else misses[url] + 1
+                if misses[url] >= LIVENESS_MISSES:
+                    raise ServerUnresponsive(
+                        f"{self.engine.backend.name} server {url} answered none of "
+                        f"{LIVENESS_MISSES} checks of {path} during a weight update"
+                    )
+
+    async def _abort(
+        self,
+        urls: list[str],
+        root: asyncio.Future,
+        servers: list[asyncio.Future],
+        cause: BaseException,
+    ) -> None:
+        """Abort the current group after `cause` (a member failed or stopped answering): set its
+        abort key, give every member `ABORT_GRACE_S` to leave, cancel the requests of those still
+        in it, raise `DeliveryFailed` naming them, from `cause`. A trainer rank that died is
+        raised as it is (`TrainerFailed`: the run stops on it)."""
         from weir.cluster.ray_cluster import TrainerFailed
 
         self._members = None
         await asyncio.to_thread(self._signal_abort)
-        _, pending = await asyncio.wait([sending, *receiving], timeout=ABORT_GRACE_S)
-        wedged = frozenset(u for u, t in zip(urls, receiving, strict=True) if t in pending)
+        _, pending = await asyncio.wait([root, *servers], timeout=ABORT_GRACE_S)
+        wedged = frozenset(u for u, t in zip(urls, servers, strict=True) if t in pending)
         for t in pending:
             t.cancel()
-        errors = [t.exception() for t in [*receiving, sending] if t.done() and not t.cancelled()]
-        errors = [e for e in errors if e is not None]
-        if sending.done() and isinstance(sending.exception(), TrainerFailed):
-            raise sending.exception()
-        cause = errors[0] if errors else None
+        if root.done() and not root.cancelled() and isinstance(root.exception(), TrainerFailed):
+            raise root.exception()
         raise DeliveryFailed(
             f"weight sync: a member of group {self._name} failed ({cause!r}); the group was "
             f"aborted" + (f", servers still in it: {sorted(wedged)}" if wedged else ""),
@@ -277,7 +338,7 @@ class ServerSync:
 
     async def _form_group(self, urls: list[str]) -> None:
         """Trainer rank 0 and every worker of the servers at `urls` join a new group, unless the
-        current one is theirs already."""
+        current one is theirs already; watched as a delivery is (`_watched`)."""
         if self._members == tuple(urls):
             return
         backend, client = self.engine.backend, self.engine._client
@@ -287,29 +348,32 @@ class ServerSync:
         name = f"weir-sync-{self.role or 'policy'}-{next(_GROUPS)}"
         world = 1 + sum(sizes)
         offsets = list(itertools.accumulate([1, *sizes]))[:-1]
-        root = asyncio.to_thread(
-            self.trainer.get,
-            [
-                rank0.join.remote(
-                    host,
-                    port,
-                    world,
-                    name,
-                    self.backend,
-                    backend.group_style,
-                    backend.per_tensor,
-                    self.role,
-                )
-            ],
+        self._members, self._name, self._address = None, name, (host, port)
+        root = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.trainer.get,
+                [
+                    rank0.join.remote(
+                        host,
+                        port,
+                        world,
+                        name,
+                        self.backend,
+                        backend.group_style,
+                        backend.per_tensor,
+                        self.role,
+                    )
+                ],
+            )
         )
-        await asyncio.gather(
-            root,
-            *(
+        joins = [
+            asyncio.ensure_future(
                 backend.init_broadcast(client, url, host, port, off, world, self.backend, name)
-                for url, off in zip(urls, offsets, strict=True)
-            ),
-        )
-        self._members, self._name, self._address = tuple(urls), name, (host, port)
+            )
+            for url, off in zip(urls, offsets, strict=True)
+        ]
+        await self._watched(urls, root, joins)
+        self._members = tuple(urls)
         log.info("weight sync: group %s of trainer rank 0 and %d server workers", name, world - 1)
 
     def _disk(self, version: int) -> int:

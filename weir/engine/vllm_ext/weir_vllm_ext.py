@@ -16,7 +16,9 @@ weir's dependencies.
   are loaded as they arrive (a generator feeding ``reload_weights``), so a worker holds its own
   weights and one bucket, never the whole model. A worker waits for each bucket by polling, and
   leaves the group (aborting it) when the driver sets the group's abort key in rank 0's store, as
-  `weir.sync.broadcast.finish` does: a server that died half way does not leave it blocked.
+  `weir.sync.broadcast.finish` does: a server that died half way does not leave it blocked. It
+  waits for the group to form the same way (`weir.sync.broadcast.form`): a member that never
+  joins does not hold it in the rendezvous either.
 - ``weir_weights_hash()``: sha256 of the model's parameters, to check that an update went in;
   ``weir_loaded_digest()``: the digest of the tensors the last update loaded (HF names), to compare
   with the trainer's.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import threading
 import time
 from pathlib import Path
 
@@ -99,12 +102,22 @@ class WeirWorkerExtension:
         store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
         prefix = dist.PrefixStore(name, store)
         if backend == "nccl":
-            pg = dist.ProcessGroupNCCL(prefix, rank, world_size)
             device = torch.device("cuda", torch.cuda.current_device())
+
+            def make():
+                pg = dist.ProcessGroupNCCL(prefix, rank, world_size)
+                connect = getattr(pg, "eager_connect_single_device", None)
+                if connect is not None:  # the communicator now, inside _form's abortable wait
+                    connect(device)
+                return pg
         else:
-            pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
             device = torch.device("cpu")
-        self._weir_group = (store, pg, device, f"weir-abort/{name}")
+
+            def make():
+                return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+
+        key = f"weir-abort/{name}"
+        self._weir_group = (store, _form(make, host, port, key), device, key)
         return rank
 
     def weir_receive_broadcast(self, buckets: list, digest: bool = False) -> dict:
@@ -194,6 +207,38 @@ def _finish(work, store, key: str) -> None:
             check = now + ABORT_CHECK_S
         time.sleep(0 if now - start < 0.005 else 0.0005)
     work.wait()
+
+
+def _form(make, host: str, port: int, key: str):
+    """Build a process group by ``make()`` in a daemon thread and wait for it; RuntimeError if
+    `key` appears first in rank 0's store (a member never joined), asked through a connection of
+    its own (the rendezvous holds the group's). As weir.sync.broadcast.form."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+    done: dict = {}
+
+    def build() -> None:
+        try:
+            done["group"] = make()
+        except BaseException as err:
+            done["error"] = err
+
+    thread = threading.Thread(target=build, name=f"weir-form-{key}", daemon=True)
+    thread.start()
+    while True:
+        thread.join(ABORT_CHECK_S)
+        if not thread.is_alive():
+            break
+        if store.check([key]):
+            raise RuntimeError(f"weight sync: group aborted by the driver while it formed ({key})")
+    if "error" in done:
+        raise done["error"]
+    return done["group"]
 
 
 def _abandon(pg, work) -> None:
