@@ -456,8 +456,8 @@ def test_a_vllm_server_killed_during_a_weight_broadcast_costs_the_update_nothing
 
         import weir.sync.server_sync as server_sync
 
-        monkeypatch.setattr(server_sync, "LIVENESS_PERIOD_S", 1.0)
-        monkeypatch.setattr(server_sync, "LIVENESS_MISSES", 2)
+        monkeypatch.setattr(server_sync, "LIVENESS_PERIOD_S", 2.0)  # a loaded CPU answers late
+        monkeypatch.setattr(server_sync, "LIVENESS_MISSES", 3)
         monkeypatch.setattr(server_sync, "ABORT_GRACE_S", 10.0)
 
         async def join_and_stop(client, url, *args):

@@ -145,11 +145,11 @@ def test_a_member_dying_half_way_aborts_the_group_and_the_others_form_a_new_one(
 
 @pytest.mark.parametrize("style", ["weir", "sglang"])
 def test_a_member_that_never_joins_is_aborted_while_the_group_forms(style, tiny_model_dir):
-    """Three of four members come, the fourth never does (it died before it joined). Left alone,
-    gloo's rendezvous would hold the three until its 600 s timeout; with the group's abort key
-    set, rank 0 and (weir's own members) the others leave within seconds, and the three form a new
-    group that delivers every tensor. In SGLang's style only rank 0 is weir's: the server side
-    is SGLang's own and is not abortable (the driver restarts such a server)."""
+    """A member never comes (it died before it joined). Left alone, gloo's rendezvous would hold
+    the others until its 600 s timeout; with the group's abort key set they leave within seconds.
+    weir's style: three of four members come, all leave, and the three form a new group that
+    delivers every tensor. SGLang's style: only rank 0 is weir's (the servers' side is SGLang's
+    own, not abortable: the driver restarts such a server), so rank 0 alone comes and leaves."""
     state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     buckets = plan_buckets([TensorMeta.of(k, v) for k, v in state.items()], 256 * 1024)
     port = free_port()

@@ -73,10 +73,12 @@ def abandon(pg: dist.ProcessGroup, work: dist.Work) -> bool:
     return True
 
 
-def signal_abort(host: str, port: int, name: str, timeout_s: float = 5.0) -> None:
+def signal_abort(host: str, port: int, name: str, timeout_s: float = ABORT_GRACE_S) -> None:
     """Abort group `name`: set its key in the TCPStore that its rank 0 hosts at `host:port`
-    (the driver's side; every member leaves the group within `ABORT_CHECK_S`). A warning if
-    that store is gone with rank 0: its members' polls of it fail then, which ends them too."""
+    (the driver's side; every member leaves the group within `ABORT_CHECK_S`). Waits up to
+    `timeout_s` for the store: a member may fail to join before rank 0, busy with an earlier
+    call, has opened it (the key then awaits rank 0's join). A warning if that store is gone
+    with rank 0: its members' polls of it fail then, which ends them too."""
     try:
         store = dist.TCPStore(
             host,
@@ -118,8 +120,10 @@ def form(make: Callable[[], T], host: str, port: int, key: str) -> T:
     aborted the group, a member died or hangs before it joined).
 
     ``make`` runs in a daemon thread of its own, since the backends' rendezvous cannot be
-    interrupted: after an abort that thread is left to end at the group's timeout (it holds a
-    half-built group, never a collective, and does not hold up the process's exit). The key is
+    interrupted. After an abort that thread is left behind, holding a half-built group (never a
+    collective) and, on rank 0, the group's TCPStore: gloo's rendezvous ends at the group's
+    timeout; NCCL's blocking communicator set-up has no timeout of its own, so there the thread
+    may stay for the life of the process. It does not hold up the process's exit. The key is
     looked for every `ABORT_CHECK_S` through a connection of its own: a TCPStore client serves one
     request at a time, and the rendezvous holds the group's in a blocking wait."""
     store = dist.TCPStore(
@@ -220,7 +224,10 @@ def sglang_style_group(
     Rank 0 (weir's trainer) hosts the store without waiting for the others to connect, as the
     ``tcp://`` rendezvous's own master would, and builds its side in `form`: a server that never
     joins is then aborted by the driver like a member that dies later. The other ranks (SGLang's
-    side, or a stand-in for it) join as SGLang does."""
+    side, or a stand-in for it) join as SGLang does. On NCCL rank 0 cannot create its
+    communicator eagerly (SGLang's side creates its own at the first bucket), so a server that
+    joins and dies before the first bucket holds rank 0 in NCCL's set-up there, out of the
+    abort's reach."""
     from torch.distributed.distributed_c10d import (
         PrefixStore,
         _new_process_group_helper,

@@ -261,8 +261,7 @@ class WeightSync:
             self._group = (host, port, name)
             failed = _first_failure(refs)
             if failed is not None:
-                signal_abort(host, port, name)
-                ray.wait(refs, num_returns=len(refs), timeout=ABORT_GRACE_S)
+                self._abort(refs)
                 raise failed
         self._members = tuple(i for i, _ in members)
 

@@ -36,10 +36,11 @@ restarts it too. The same holds while the group forms: a server whose join fails
 
 A server whose host vanishes without a TCP reset (power, network partition) fails no request:
 its connections stay open and nothing answers. So while a group forms and while the weights
-travel, the driver asks every server a cheap GET (`liveness_path`: vLLM's /health, SGLang's
-/get_model_info, which its HTTP process answers while its scheduler is busy) every
-`LIVENESS_PERIOD_S`; one that leaves `LIVENESS_MISSES` checks in a row unanswered counts as
-failed (`ServerUnresponsive`), and the group is aborted as above.
+travel (also in `restore`), the driver asks every server a cheap GET (`liveness_path`: vLLM's
+/health, SGLang's /get_model_info, which its HTTP process answers while its scheduler is busy)
+every `LIVENESS_PERIOD_S`; one that fails `LIVENESS_MISSES` checks in a row counts as failed
+(`ServerUnresponsive`), and the group is aborted as above. It tells a host or HTTP process that is
+gone; a hung worker behind a live HTTP process answers it.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ LIVENESS_PERIOD_S = 5.0
 and how long each answer may take."""
 
 LIVENESS_MISSES = 3
-"""Unanswered /health checks in a row after which a weight update counts a server as lost (a
-host gone without a TCP reset): about `LIVENESS_PERIOD_S` x (2 x this) seconds after it went."""
+"""Failed liveness checks in a row after which a weight update counts a server as lost (a host
+gone without a TCP reset): each unanswered check waits out its `LIVENESS_PERIOD_S`, so that is
+20-30 s after it went, with the defaults."""
 
 
 class ServerUnresponsive(RuntimeError):
@@ -213,14 +215,16 @@ class ServerSync:
         current group. At the first failure, or a server that stops answering (`_liveness`), the
         group is aborted (`_abort`: `DeliveryFailed`). Cancelled: the members leave the group."""
         watch = asyncio.ensure_future(self._liveness(urls))
-        everyone = [root, *servers]
+        everyone = [*servers, root]  # a server's failure is the cause rather than its echo at 0
         cause: BaseException | None = None
         try:
-            pending = {*everyone, watch}
             while cause is None and not all(t.done() for t in everyone):
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-                cause = failed[0].exception() if failed else None
+                waiting = [t for t in [*everyone, watch] if not t.done()]
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                failed = [t for t in everyone if t.done() and _failure(t) is not None]
+                if not failed and watch.done() and not all(t.done() for t in everyone):
+                    failed = [watch]  # a late check after every member finished counts for nothing
+                cause = _failure(failed[0]) if failed else None
         except BaseException:  # cancelled: the members must not stay in a broadcast
             await self._cancel(servers)
             raise
@@ -230,9 +234,9 @@ class ServerSync:
             await self._abort(urls, root, servers, cause)
 
     async def _liveness(self, urls: list[str]) -> None:
-        """Raise `ServerUnresponsive` once a server at `urls` has left `LIVENESS_MISSES` checks
-        in a row unanswered (one every `LIVENESS_PERIOD_S`, each given as long): a GET of the
-        backend's `liveness_path`, which its HTTP process answers while its workers load."""
+        """Raise `ServerUnresponsive` once a server at `urls` has failed `LIVENESS_MISSES` checks
+        in a row (one every `LIVENESS_PERIOD_S`, each given as long): a GET of the backend's
+        `liveness_path`, which its HTTP process answers while its workers load."""
         from weir.engine.servers import http_ok
 
         path = self.engine.backend.liveness_path
@@ -246,8 +250,9 @@ class ServerSync:
                 misses[url] = 0 if answered else misses[url] + 1
                 if misses[url] >= LIVENESS_MISSES:
                     raise ServerUnresponsive(
-                        f"{self.engine.backend.name} server {url} answered none of "
-                        f"{LIVENESS_MISSES} checks of {path} during a weight update"
+                        f"{self.engine.backend.name} server {url} failed {LIVENESS_MISSES} "
+                        f"checks of {path} in a row (no 2xx answer within "
+                        f"{LIVENESS_PERIOD_S:g} s) during a weight update"
                     )
 
     async def _abort(
@@ -295,15 +300,20 @@ class ServerSync:
             )
             for url in urls
         ]
-        group = (self._address, self._name)  # this group's, not the one a retry forms later
+        for task in tasks:
+            self._abort_when_failed(task)
+        return tasks
+
+    def _abort_when_failed(self, task: asyncio.Future) -> None:
+        """Set the current group's abort key (this group's, not the one a retry forms later)
+        as soon as `task` fails."""
+        group = (self._address, self._name)
 
         def abort_on_failure(task: asyncio.Future) -> None:
-            if not task.cancelled() and task.exception() is not None:
+            if _failure(task) is not None:
                 threading.Thread(target=self._signal_abort, args=(group,), daemon=True).start()
 
-        for task in tasks:
-            task.add_done_callback(abort_on_failure)
-        return tasks
+        task.add_done_callback(abort_on_failure)
 
     def _send(self, version: int) -> int:
         """Collective over the trainer ranks (blocking): every bucket gathered and broadcast;
@@ -321,11 +331,19 @@ class ServerSync:
         self._members = None  # a broadcast that failed half way leaves the group unusable
 
     async def _start_receiving(self, urls: list[str]) -> list[asyncio.Future]:
-        return self._receive(urls)
+        """`restore`'s receiving: the servers' requests, then their liveness check (last), each
+        aborting the group when it fails."""
+        watch = asyncio.ensure_future(self._liveness(urls))
+        self._abort_when_failed(watch)
+        return [*self._receive(urls), watch]
 
     @staticmethod
     async def _finish_receiving(receiving: list[asyncio.Future]) -> None:
-        await asyncio.gather(*receiving)
+        *requests, watch = receiving
+        try:
+            await asyncio.gather(*requests)
+        finally:
+            watch.cancel()
 
     async def _cancel(self, receiving: list[asyncio.Future]) -> None:
         self._abandon(receiving)
@@ -349,23 +367,17 @@ class ServerSync:
         world = 1 + sum(sizes)
         offsets = list(itertools.accumulate([1, *sizes]))[:-1]
         self._members, self._name, self._address = None, name, (host, port)
-        root = asyncio.ensure_future(
-            asyncio.to_thread(
-                self.trainer.get,
-                [
-                    rank0.join.remote(
-                        host,
-                        port,
-                        world,
-                        name,
-                        self.backend,
-                        backend.group_style,
-                        backend.per_tensor,
-                        self.role,
-                    )
-                ],
-            )
+        join = rank0.join.remote(
+            host,
+            port,
+            world,
+            name,
+            self.backend,
+            backend.group_style,
+            backend.per_tensor,
+            self.role,
         )
+        root = asyncio.ensure_future(asyncio.to_thread(self.trainer.get, [join]))
         joins = [
             asyncio.ensure_future(
                 backend.init_broadcast(client, url, host, port, off, world, self.backend, name)
@@ -478,3 +490,8 @@ class ServerSync:
             return [d for server in each for d in server]
 
         return self.engine.run(ask())
+
+
+def _failure(task: asyncio.Future) -> BaseException | None:
+    """The exception a finished `task` raised, None if it succeeded or was cancelled."""
+    return None if task.cancelled() else task.exception()

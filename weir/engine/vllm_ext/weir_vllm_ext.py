@@ -217,7 +217,7 @@ def _form(make, host: str, port: int, key: str):
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # 30 s: weir.sync.broadcast.ABORT_GRACE_S
         host, port, is_master=False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
     )
     done: dict = {}
