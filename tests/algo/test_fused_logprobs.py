@@ -57,8 +57,11 @@ def test_equals_the_reference_in_float64(chunk, t):
 
 @pytest.mark.parametrize("t", [1.0, 0.7, 1.3, 0.3])
 def test_float32_is_the_reference_up_to_rounding(t):
-    """float32 over a 1000-token vocabulary: within 1e-6 of the reference at T = 1 (4e-6 x the
-    values' scale at any T), and no further from the float64 result than the reference itself."""
+    """float32 over a 1000-token vocabulary: within 4e-6 x the values' scale of the reference
+    (a few float32 ulps: the chunked sums round in another order, and how many ulps that costs
+    depends on the CPU's kernels; an AVX2 EPYC put 2.5 ulps between them at T = 1, beyond the
+    absolute 1e-6 once asked there), and no further from the float64 result than the reference
+    itself."""
     base, ids = logits_with_inf(64, 1000, torch.float64, seed=2)
     w = torch.randn(2, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     truth = values_and_grad(reference, base, ids, 64, t, *w)
@@ -67,8 +70,7 @@ def test_float32_is_the_reference_up_to_rounding(t):
     want = values_and_grad(reference, base.float(), ids, 7, t, *w32)
     for a, b, exact in zip(got, want, truth, strict=True):
         scale = max(1.0, float(b.abs().max()))
-        bound = 1e-6 if t == 1.0 else 4e-6 * scale
-        assert float((a - b).abs().max()) <= bound
+        assert float((a - b).abs().max()) <= 4e-6 * scale
         ours = float((a.double() - exact).abs().max())
         theirs = float((b.double() - exact).abs().max())
         assert ours <= 2 * theirs + 1e-7, (ours, theirs)
