@@ -64,22 +64,26 @@ def test_broadcast_group_delivers_identical_tensors(tiny_model_dir):
     metas = [TensorMeta.of(k, v) for k, v in state.items()]
     buckets = plan_buckets(metas, 64 * 1024)  # small buckets: many collectives
     assert len(buckets) > 3
+    got = _deliver_in_a_new_group(state, buckets, "t")
+    assert got[0] == sum(v.numel() * v.element_size() for v in state.values())
+    assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)
+
+
+def _deliver_in_a_new_group(state, buckets, name: str) -> dict:
+    """Three members (threads) form group `name` and broadcast `state`; what each got (rank 0:
+    the bytes it sent)."""
     port, got = free_port(), {}
 
     def member(rank: int) -> None:
-        g = BroadcastGroup("127.0.0.1", port, rank, 3, name="t")
-        if rank == 0:
-            got[0] = g.send(state, buckets)
-        else:
-            got[rank] = g.recv(buckets)
+        g = BroadcastGroup("127.0.0.1", port, rank, 3, name=name)
+        got[rank] = g.send(state, buckets) if rank == 0 else g.recv(buckets)
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert got[0] == sum(v.numel() * v.element_size() for v in state.values())
-    assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)
+    return got
 
 
 def _member_that_dies(port: int, rank: int, size: int, buckets, after: int) -> None:
@@ -129,17 +133,7 @@ def test_a_member_dying_half_way_aborts_the_group_and_the_others_form_a_new_one(
     assert set(ended) == {0, 1, 3} and all(ended[r] is not None for r in blocked)
     assert any(isinstance(ended[r], SyncAborted) for r in blocked), ended
 
-    port2, got = free_port(), {}
-
-    def again(rank: int) -> None:
-        g = BroadcastGroup("127.0.0.1", port2, rank, 3, name="t2")
-        got[rank] = g.send(state, buckets) if rank == 0 else g.recv(buckets)
-
-    threads = [threading.Thread(target=again, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    got = _deliver_in_a_new_group(state, buckets, "t2")
     assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)
 
 
@@ -178,15 +172,5 @@ def test_a_member_that_never_joins_is_aborted_while_the_group_forms(style, tiny_
     if style == "sglang":
         return  # its members register the group's name process-wide: one process cannot be three
 
-    port2, got = free_port(), {}
-
-    def again(rank: int) -> None:
-        g = BroadcastGroup("127.0.0.1", port2, rank, 3, name="f2")
-        got[rank] = g.send(state, buckets) if rank == 0 else g.recv(buckets)
-
-    threads = [threading.Thread(target=again, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    got = _deliver_in_a_new_group(state, buckets, "f2")
     assert weights_hash(got[1]) == weights_hash(got[2]) == weights_hash(state)

@@ -73,6 +73,18 @@ def abandon(pg: dist.ProcessGroup, work: dist.Work) -> bool:
     return True
 
 
+def _client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A connection of its own to the TCPStore that rank 0 hosts at `host:port`, waiting up to
+    `timeout_s` for it to open."""
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def signal_abort(host: str, port: int, name: str, timeout_s: float = ABORT_GRACE_S) -> None:
     """Abort group `name`: set its key in the TCPStore that its rank 0 hosts at `host:port`
     (the driver's side; every member leaves the group within `ABORT_CHECK_S`). Waits up to
@@ -80,14 +92,7 @@ def signal_abort(host: str, port: int, name: str, timeout_s: float = ABORT_GRACE
     call, has opened it (the key then awaits rank 0's join). A warning if that store is gone
     with rank 0: its members' polls of it fail then, which ends them too."""
     try:
-        store = dist.TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-        store.set(abort_key(name), "1")
+        _client(host, port, timeout_s).set(abort_key(name), "1")
     except Exception as err:
         log.warning("weight sync: could not set the abort key of %s: %s", name, err)
 
@@ -126,13 +131,7 @@ def form(make: Callable[[], T], host: str, port: int, key: str) -> T:
     may stay for the life of the process. It does not hold up the process's exit. The key is
     looked for every `ABORT_CHECK_S` through a connection of its own: a TCPStore client serves one
     request at a time, and the rendezvous holds the group's in a blocking wait."""
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=ABORT_GRACE_S),
-        wait_for_workers=False,
-    )
+    store = _client(host, port, ABORT_GRACE_S)
     done: dict[str, object] = {}
 
     def build() -> None:
