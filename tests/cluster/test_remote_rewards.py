@@ -6,6 +6,8 @@ import asyncio
 import os
 import time
 
+import pytest
+
 from weir.cluster.rewards import RewardPool
 from weir.data.sample import Sample, Status
 from weir.rollout.rewards import score
@@ -61,3 +63,34 @@ def test_rewards_run_in_ray_actors_and_fail_contained(ray_local):
     late = _score(slow, timeout_s=1.0)[0]
     assert late.status == Status.FAILED and "timeout" in late.error
     assert time.perf_counter() - start < 15
+
+
+class SlowToStart:
+    """A reward whose worker takes `delay` seconds to build it (as importing a heavy module does
+    in a fresh process on a loaded machine); `fails`: it cannot be built there at all."""
+
+    def __init__(self, delay: float, fails: bool = False) -> None:
+        self.delay, self.fails = delay, fails
+
+    def __setstate__(self, state: dict) -> None:
+        if state["fails"]:
+            raise ImportError("No module named 'my_rewards'")
+        time.sleep(state["delay"])
+        self.__dict__.update(state)
+
+    def __call__(self, sample, row) -> float:
+        return 1.0
+
+
+def test_the_reward_timeout_bounds_the_function_not_a_workers_start_up(ray_local):
+    start = time.perf_counter()
+    got = _score(SlowToStart(delay=6.0), n=2, timeout_s=2.0, workers=2)
+    assert time.perf_counter() - start >= 6.0  # the pool waited for its workers
+    assert all(s.status != Status.FAILED and s.reward == 1.0 for s in got), [s.error for s in got]
+
+
+def test_a_reward_worker_that_cannot_start_ends_the_run_saying_why(ray_local):
+    with pytest.raises(
+        RuntimeError, match="reward worker for SlowToStart could not start.*my_rewards"
+    ):
+        RewardPool(SlowToStart(0.0, fails=True), workers=1, num_cpus=0.1)

@@ -3,7 +3,9 @@ reward neither holds the driver's GIL nor delays the requests it routes.
 
 The actors are long-lived (a warm process each, no start-up per call) and asynchronous: each
 scores many samples at once, sync functions in its worker threads. Calls go to the actor with
-the fewest in flight.
+the fewest in flight. A pool is ready when it is built: `reward.timeout_s` bounds the reward
+function, not a worker's start-up (importing torch and the function's module, which on a loaded
+machine took longer than the 30 s default, and failed a first evaluation's every sample).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+START_TIMEOUT_S = 300.0
+"""How long a pool waits for its workers to start (each imports torch and the reward's module)."""
+
 
 class RewardWorker:
     """One scoring process: calls `fn(sample, row)` (sync in a thread, async awaited)."""
@@ -25,6 +30,9 @@ class RewardWorker:
         torch.set_num_threads(1)
         self.fn = fn
 
+    def ready(self) -> bool:
+        return True
+
     async def score(self, sample: Any, row: Any) -> Any:
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(sample, row)
@@ -33,17 +41,48 @@ class RewardWorker:
 
 
 class RewardPool:
-    """`workers` RewardWorker actors for one reward function; `.reward` is the async callable
-    to put in the rollout context."""
+    """`workers` RewardWorker actors for one reward function, started before it returns; `.reward`
+    is the async callable to put in the rollout context."""
 
-    def __init__(self, fn: Callable, workers: int = 2, num_cpus: float = 0.25) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        workers: int = 2,
+        num_cpus: float = 0.25,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         import ray
+
+        from weir.rollout.rewards import reward_name
 
         remote = ray.remote(RewardWorker).options(num_cpus=num_cpus, max_restarts=-1)
         self.actors = [remote.remote(fn) for _ in range(workers)]
         self.load = [0] * workers
         self._lock = threading.Lock()
         self.reward = self._wrap(fn)
+        self._wait_started(reward_name(fn), start_timeout_s)
+
+    def _wait_started(self, name: str, timeout_s: float) -> None:
+        """Block until every actor has built its RewardWorker; a worker that cannot start (its
+        function's module does not import there) or does not within `timeout_s` ends the run
+        with the reason, instead of failing samples one by one."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
+        except GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(
+                f"cluster.reward_workers: the reward workers for {name} did not start within "
+                f"{timeout_s:.0f} s (is the Ray cluster short of CPUs?)"
+            ) from None
+        except RayActorError as err:
+            self.shutdown()
+            raise RuntimeError(
+                f"cluster.reward_workers: a reward worker for {name} could not start: "
+                f"{str(err).strip().splitlines()[-1]}"
+            ) from None
 
     def _wrap(self, fn: Callable) -> Callable:
         from ray.exceptions import RayTaskError
