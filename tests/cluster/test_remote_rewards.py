@@ -96,6 +96,6 @@ def test_the_reward_timeout_bounds_the_function_not_a_workers_start_up(ray_local
 
 def test_a_reward_worker_that_cannot_start_ends_the_run_saying_why(ray_local):
     with pytest.raises(
-        RuntimeError, match="reward worker for SlowToStart could not start.*my_rewards"
+        ValueError, match="reward workers for SlowToStart could not start.*my_rewards"
     ):
         RewardPool(SlowToStart(0.0, fails=True), workers=1, num_cpus=0.1)

@@ -16,10 +16,10 @@ Why the RL stage trains on 32 goals and is measured on them, not on held-out goa
 task-level steps raised held-out success on one CPU (+2.6 to +10.7 points over three seeds) and
 lowered it on another (an AVX2 AMD EPYC: by 0.5 to 2.3 points from seed 1's 1500-step SFT model at
 learning rates 2.5e-4 and 5e-4, by 8.2 points from a 750-step one), so a held-out rise is not a
-claim this stage keeps on every machine. On a fixed set of goals
-it does (on the AVX2 EPYC, from both SFT models and two goal sets): +12.9, +18.0 and +19.6 points
-in 20 steps (8 episodes a goal). That is the claim a broken policy gradient would fail: a wrong sign, credit on the
-wrong turn, log-probs of other tokens, or an update that does not reach the engine.
+claim this stage keeps on every machine. On a fixed set of goals it does (on the AVX2 EPYC, from
+both SFT models and two goal sets): +12.9, +18.0 and +19.6 points in 20 steps (8 episodes a goal).
+That is the claim a broken policy gradient would fail: a wrong sign, credit on the wrong turn,
+log-probs of other tokens, or an update that does not reach the engine.
 """
 
 from __future__ import annotations

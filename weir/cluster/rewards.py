@@ -65,24 +65,20 @@ class RewardPool:
     def _wait_started(self, name: str, timeout_s: float) -> None:
         """Block until every actor has built its RewardWorker; a worker that cannot start (its
         function's module does not import there) or does not within `timeout_s` ends the run
-        with the reason, instead of failing samples one by one."""
+        with the reason (a ValueError, as a placement that Ray cannot make: the user's to fix),
+        instead of failing samples one by one."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
             ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
+            return
         except GetTimeoutError:
-            self.shutdown()
-            raise RuntimeError(
-                f"cluster.reward_workers: the reward workers for {name} did not start within "
-                f"{timeout_s:.0f} s (is the Ray cluster short of CPUs?)"
-            ) from None
+            why = f"did not start within {timeout_s:.0f} s (is the Ray cluster short of CPUs?)"
         except RayActorError as err:
-            self.shutdown()
-            raise RuntimeError(
-                f"cluster.reward_workers: a reward worker for {name} could not start: "
-                f"{str(err).strip().splitlines()[-1]}"
-            ) from None
+            why = f"could not start: {str(err).strip().splitlines()[-1]}"
+        self.shutdown()
+        raise ValueError(f"cluster.reward_workers: the reward workers for {name} {why}")
 
     def _wrap(self, fn: Callable) -> Callable:
         from ray.exceptions import RayTaskError
