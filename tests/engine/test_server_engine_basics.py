@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from weir.config import load_config
 from weir.config.schema import EngineConfig
 from weir.engine.server_engine import sample_seed
-from weir.engine.servers import EngineNotInstalled, EngineStartError, ServerProcess, free_port
+from weir.engine.servers import (
+    EngineNotInstalled,
+    EngineStartError,
+    ServerProcess,
+    check_installed,
+    free_port,
+)
 from weir.engine.vllm_engine import start_vllm
 
 
@@ -27,6 +33,32 @@ def test_vllm_not_installed_names_the_install_command(tmp_path):
     cfg = EngineConfig(type="vllm", python=str(tmp_path / "no-such-python"), max_model_len=64)
     with pytest.raises(EngineNotInstalled, match="does not exist.*make setup-vllm"):
         start_vllm(cfg, str(tmp_path), tmp_path, eos_token_ids=[1], dtype="float32", seed=0)
+
+
+def test_an_engine_environment_that_imports_is_probed_once_and_a_broken_one_every_time(tmp_path):
+    """Importing vLLM takes 15-20 s on a small CPU: a process that starts many servers from one
+    environment probes it once; an environment that failed is probed again (it may have been
+    fixed), and says why each time."""
+    python = tmp_path / "python"
+    calls = tmp_path / "calls"
+    python.write_text(
+        f"#!/bin/sh\necho x >> {calls}\n[ -e {tmp_path / 'broken'} ] && exit 1\nexit 0\n"
+    )
+    python.chmod(0o755)
+    for _ in range(3):
+        check_installed(str(python), "fake_engine_a", "make setup-fake")
+    assert calls.read_text().count("x") == 1
+    (tmp_path / "broken").touch()
+    for _ in range(2):
+        with pytest.raises(
+            EngineNotInstalled, match="fake_engine_b does not import.*make setup-fake"
+        ):
+            check_installed(str(python), "fake_engine_b", "make setup-fake")
+    assert calls.read_text().count("x") == 3
+    (tmp_path / "broken").unlink()
+    check_installed(str(python), "fake_engine_b", "make setup-fake")
+    check_installed(str(python), "fake_engine_b", "make setup-fake")
+    assert calls.read_text().count("x") == 4
 
 
 def test_a_server_that_dies_at_start_shows_its_log_tail(tmp_path):

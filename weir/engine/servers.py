@@ -61,8 +61,16 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:]) or "(empty log)"
 
 
+_IMPORTS_OK: set[tuple[str, str]] = set()
+"""(python, module) pairs that imported: each is probed once per process (importing vLLM takes
+15-20 s on a small CPU, and a session may start many servers from the same environment)."""
+
+
 def check_installed(python: str, module: str, install_hint: str) -> None:
-    """Raise `EngineNotInstalled` naming `install_hint` unless `python -c 'import module'` works."""
+    """Raise `EngineNotInstalled` naming `install_hint` unless `python -c 'import module'` works
+    (a success is remembered for the process; a failure is probed again, after a fix)."""
+    if (python, module) in _IMPORTS_OK:
+        return
     if not Path(python).exists() and not _on_path(python):
         raise EngineNotInstalled(
             f"engine.python: {python} does not exist; {install_hint} (or point engine.python at a "
@@ -79,6 +87,7 @@ def check_installed(python: str, module: str, install_hint: str) -> None:
         raise EngineNotInstalled(
             f"{module} does not import in {python} ({last}); install it with: {install_hint}"
         )
+    _IMPORTS_OK.add((python, module))
 
 
 def _on_path(cmd: str) -> bool:
