@@ -44,13 +44,28 @@ PLACED = [
 
 
 @pytest.mark.slow
-def test_trainer_and_engines_on_different_nodes_complete_steps(two_nodes, tmp_path):
+def test_trainer_and_engines_on_different_nodes_complete_steps(two_nodes, tmp_path, monkeypatch):
+    """One run: its placement is checked when its cluster is built (the bundles' nodes), then its
+    steps complete with weights synced across the nodes."""
     import weir
-    from weir.config import build_config
-    from weir.loop.ray_build import build_ray
-    from weir.tasks.tiny_model import build_tiny_model
+    import weir.loop.ray_build as ray_build
 
     _, engine_node = two_nodes
+    placed: list[tuple[set, set]] = []
+    real_build = ray_build.build_ray
+
+    def build_and_look(*args, **kwargs):
+        from ray.util import placement_group_table
+
+        parts = real_build(*args, **kwargs)
+        nodes = [
+            set(placement_group_table(pg)["bundles_to_node_id"].values())
+            for pg in (parts.cluster.trainer_pg, parts.cluster.engine_pg)
+        ]
+        placed.append((nodes[0], nodes[1]))
+        return parts
+
+    monkeypatch.setattr(ray_build, "build_ray", build_and_look)
     small = {
         "run": {"steps": 2, "eval_every": 0, "save_model": False, "seed": 1},
         "model": {"path": "tiny:nano", "threads": 1},
@@ -58,22 +73,10 @@ def test_trainer_and_engines_on_different_nodes_complete_steps(two_nodes, tmp_pa
         "rollout": {"n": 2, "batch_prompts": 2, "max_new_tokens": 4},
         "telemetry": {"console": False},
     }
-    cfg = build_config(small, [f"run.dir={tmp_path / 'run'}", *PLACED])
-    model_dir = build_tiny_model(tmp_path / "nano", size="nano", seed=0)
-    parts = build_ray(cfg, tmp_path, str(model_dir))
-    try:
-        from ray.util import placement_group_table
-
-        trainer_nodes = set(
-            placement_group_table(parts.cluster.trainer_pg)["bundles_to_node_id"].values()
-        )
-        engine_nodes = set(
-            placement_group_table(parts.cluster.engine_pg)["bundles_to_node_id"].values()
-        )
-        assert engine_nodes == {engine_node.node_id}
-        assert len(trainer_nodes) == 1 and trainer_nodes.isdisjoint(engine_nodes)
-    finally:
-        parts.shutdown()
     result = weir.run(small, [f"run.dir={tmp_path / 'run'}", *PLACED])
+    assert len(placed) == 1
+    trainer_nodes, engine_nodes = placed[0]
+    assert engine_nodes == {engine_node.node_id}
+    assert len(trainer_nodes) == 1 and trainer_nodes.isdisjoint(engine_nodes)
     steps = [h for h in result.history if "reward/mean" in h]
     assert len(steps) == 2 and all(h["sync/mb"] > 0 for h in steps)
