@@ -15,6 +15,29 @@ def S(text: str) -> Sample:
 # ------------------------------------------------------------------------------------ registry
 
 
+def test_a_tasks_reward_loads_neither_the_other_tasks_nor_the_engine():
+    """A Ray reward worker unpickling a task's reward imports that task's module and the rewards
+    module, not every task (the GUI renderer, the calculator's rollout) nor weir's engine and
+    transformers: on a 2-core machine that import took 14 s, and each worker of each run paid it."""
+    import subprocess
+    import sys
+
+    program = (
+        "import sys, weir.tasks.gsm8k, weir.rollout.rewards, weir.tasks as t; "
+        "t.get_task('arithmetic'); get = weir.rollout.rewards.get_reward('exact_match'); "
+        "print(sorted(m for m in sys.modules if m.startswith(('weir.engine', 'weir.tasks.', "
+        "'transformers', 'weir.rollout.collect'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [
+        "['weir.tasks.arithmetic',",
+        "'weir.tasks.gsm8k',",
+        "'weir.tasks.shared_data']",
+    ]
+
+
 def test_registry():
     assert set(TASKS) == {
         "arithmetic",

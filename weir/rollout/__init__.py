@@ -6,11 +6,27 @@ The entry points a loop of your own needs (examples/minimal_grpo.py uses them)::
                          encode=...)
     groups, metrics = collect_groups(ctx, rows, rollout)     # n scored samples per row
     metrics, groups = evaluate(ctx.with_sampling(n=1, temperature=0.0), rows, rollout)
+
+They are imported when first used: a process that needs one module of the package (a Ray reward
+worker unpickling `weir.rollout.rewards.numeric`) does not load weir's engine and transformers.
 """
 
-from weir.rollout.collect import collect_groups
-from weir.rollout.evaluate import evaluate
-from weir.rollout.rewards import get_reward
-from weir.rollout.single_turn import RolloutContext, rollout
+from __future__ import annotations
 
-__all__ = ["RolloutContext", "collect_groups", "evaluate", "get_reward", "rollout"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RolloutContext": "weir.rollout.single_turn",
+    "collect_groups": "weir.rollout.collect",
+    "evaluate": "weir.rollout.evaluate",
+    "get_reward": "weir.rollout.rewards",
+    "rollout": "weir.rollout.single_turn",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'weir.rollout' has no attribute {name!r}")

@@ -8,24 +8,29 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weir.tasks import (
-    arithmetic,
-    calculator,
-    code,
-    countdown,
-    gsm8k,
-    gui,
-    humaneval,
-    proposer_checker,
-    relay,
-    shapes,
-)
-
 __all__ = ["TaskSpec", "TASKS", "get_task"]
+
+NAMES = (
+    "arithmetic",
+    "countdown",
+    "gsm8k",
+    "calculator",
+    "code",
+    "humaneval",
+    "proposer_checker",
+    "relay",
+    "shapes",
+    "gui",
+)
+"""The built-in tasks, each the module weir.tasks.NAME. A task's module is imported when it is
+asked for: a process that scores `weir.tasks.arithmetic`'s reward does not load the GUI task's
+renderer or the calculator's rollout (and with it weir's engine and transformers)."""
 
 
 @dataclass(frozen=True)
@@ -44,33 +49,28 @@ class TaskSpec:
     description: str
 
 
-TASKS: dict[str, TaskSpec] = {
-    m.__name__.rsplit(".", 1)[1]: TaskSpec(
-        name=m.__name__.rsplit(".", 1)[1],
+@functools.cache
+def _spec(name: str) -> TaskSpec:
+    m = importlib.import_module(f"weir.tasks.{name}")
+    return TaskSpec(
+        name=name,
         make_rows=m.make_rows,
         sft_rows=m.sft_rows,
         reward=m.REWARD,
         description=m.DESCRIPTION,
     )
-    for m in (
-        arithmetic,
-        countdown,
-        gsm8k,
-        calculator,
-        code,
-        humaneval,
-        proposer_checker,
-        relay,
-        shapes,
-        gui,
-    )
-}
 
 
 def get_task(name: str) -> TaskSpec:
     """The task called `name`; an unknown name raises ValueError listing the valid ones."""
-    if name in TASKS:
-        return TASKS[name]
-    nearest = difflib.get_close_matches(str(name), list(TASKS), n=1)
+    if name in NAMES:
+        return _spec(name)
+    nearest = difflib.get_close_matches(str(name), list(NAMES), n=1)
     hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
-    raise ValueError(f"unknown task {name!r}: valid tasks are {sorted(TASKS)}{hint}")
+    raise ValueError(f"unknown task {name!r}: valid tasks are {sorted(NAMES)}{hint}")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TASKS":  # every task, by name (imports them all)
+        return {n: _spec(n) for n in NAMES}
+    raise AttributeError(f"module 'weir.tasks' has no attribute {name!r}")
