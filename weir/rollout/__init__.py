@@ -14,6 +14,8 @@ worker unpickling `weir.rollout.rewards.numeric`) does not load weir's engine an
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -30,3 +32,20 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'weir.rollout' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Keeps `weir.rollout.evaluate` the function when the module of the same name is imported.
+
+    Importing a submodule sets it as an attribute of its package, which would hide the lazy
+    export of the same name from `from weir.rollout import evaluate` in any process that had
+    imported `weir.rollout.evaluate` (the module) first.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
