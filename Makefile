@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm setup-tf-old demo test test-tf-old test-fast lint format docs bench bench-trl
+.PHONY: setup setup-vllm setup-tf-old demo test test-all test-tf-old test-fast lint format docs bench bench-trl
 
 setup:
 	bash scripts/setup.sh
@@ -25,11 +25,17 @@ test-tf-old: setup-tf-old
 	WEIR_EXPECT_TRANSFORMERS=oldest .venv-tf-old/bin/python -m pytest -q -p no:cacheprovider \
 		-m hf_compat $$(grep -rl --include='test_*.py' 'mark.hf_compat' tests)
 
-# The test suite, with the docs site's strict build and the docs' tutorials (tests/docs).
+# The test suite (CI's), with the docs site's strict build and the docs' tutorials (tests/docs):
+# every test but those marked heavy, a costlier second proof of what a test in it shows.
 # Two workers, one per core (every test uses one torch thread); whole files stay on one worker, so
 # module-scoped servers and Ray start once per file. .venv-vllm is built beside .venv and the
 # old-transformers subset (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
 test:
+	$(MAKE) --no-print-directory -j2 setup-vllm test-tf-old
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not heavy"
+
+# Every test, the heavy ones too (about 20 more minutes on a 2-core machine).
+test-all:
 	$(MAKE) --no-print-directory -j2 setup-vllm test-tf-old
 	$(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 

@@ -24,4 +24,6 @@ if [[ "$(have)" != "$OLDEST"* ]]; then
   "$BASE/bin/python" -m pip --python "$VENV/bin/python" --disable-pip-version-check -q \
     install --no-compile "transformers==$OLDEST.*"
 fi
+source scripts/installer.sh
+compile_bytecode "$VENV"  # its transformers (scripts/installer.sh says why)
 echo "setup-tf-old: ready (transformers $(have) over $BASE)"

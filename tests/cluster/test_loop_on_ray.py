@@ -36,7 +36,9 @@ def _parity(sample, row) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(  # CI: the sync loop on Ray in tests/cluster/test_matrix_on_ray.py's cells
+    "mode", [pytest.param("sync", marks=pytest.mark.heavy), "async"]
+)
 def test_the_loop_runs_on_ray(ray_local, tmp_path, mode):
     # sync: colocated (engines asleep while the ranks train, weights by shared-memory handle);
     # async: disaggregated (weights through the broadcast group)

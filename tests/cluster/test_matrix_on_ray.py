@@ -210,6 +210,7 @@ def _rounding(key: str, a, b) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI: tests/cluster/test_sharded_resume_on_ray.py (torch engines), the cells above
 def test_sharded_resume_on_ray_with_vllm_matches_the_uninterrupted_run(
     servers, model_dir, tmp_path, monkeypatch
 ):
@@ -376,6 +377,7 @@ def test_one_process_with_vllm_runs_separate_policies_with_lora_adapters(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI: tests/engine/test_sglang_adapter.py (the same ServerSync, servers faked)
 def test_a_vllm_server_killed_during_a_weight_broadcast_costs_the_update_nothing(
     servers, model_dir, tmp_path, monkeypatch
 ):

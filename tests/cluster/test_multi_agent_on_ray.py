@@ -66,6 +66,7 @@ def warm_nano(tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI: tests/cluster/test_matrix_on_ray.py's separate-policies cells
 def test_multi_agent_episodes_train_on_ray(ray_local, warm_nano, tmp_path):
     # the synchronous loop, colocated (engines asleep while the ranks train); the asynchronous
     # producer is the same code on Ray as locally, where multi-agent async runs are tested

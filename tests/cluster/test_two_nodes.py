@@ -44,6 +44,7 @@ PLACED = [
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI: the one-node Ray runs place trainers and engines by the same bundles
 def test_trainer_and_engines_on_different_nodes_complete_steps(two_nodes, tmp_path, monkeypatch):
     """One run: its placement is checked when its cluster is built (the bundles' nodes), then its
     steps complete with weights synced across the nodes."""

@@ -22,6 +22,7 @@ from weir.train.distributed import RankSettings, TrainerGroup
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI: tests/cluster/test_matrix_on_ray.py's cells verify every sync on Ray
 def test_every_transport_delivers_the_trainers_weights(ray_local, tiny_model_dir, tmp_path):
     cfg = build_config(
         {},
