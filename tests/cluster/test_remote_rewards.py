@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 
 import pytest
@@ -14,8 +15,18 @@ from weir.rollout.rewards import score
 
 
 def where(sample, row):
+    """Scores, and says where: the worker's pid, whether torch was loaded before this reward
+    imported it (neither the worker nor a text sample needs it), and torch's threads there."""
     time.sleep(0.05)
-    return {"reward": float(row["answer"] == "4"), "pid": float(os.getpid())}
+    had_torch = "torch" in sys.modules
+    import torch
+
+    return {
+        "reward": float(row["answer"] == "4"),
+        "pid": float(os.getpid()),
+        "had_torch": float(had_torch),
+        "threads": float(torch.get_num_threads()),
+    }
 
 
 def slow(sample, row):
@@ -58,6 +69,8 @@ def test_rewards_run_in_ray_actors_and_fail_contained(ray_local):
     assert all(s.reward == 1.0 for s in got)
     pids = {s.reward_info["pid"] for s in got}
     assert len(pids) == 2 and os.getpid() not in pids  # both workers used, neither is the driver
+    assert min(s.reward_info["had_torch"] for s in got) == 0.0
+    assert all(s.reward_info["threads"] == 1.0 for s in got)
     assert _score(async_reward)[0].reward == 0.5
     bad = _score(broken)[0]
     assert (

@@ -16,17 +16,20 @@ def S(text: str) -> Sample:
 
 
 def test_a_tasks_reward_loads_neither_the_other_tasks_nor_the_engine():
-    """A Ray reward worker unpickling a task's reward imports that task's module and the rewards
-    module, not every task (the GUI renderer, the calculator's rollout) nor weir's engine and
-    transformers: on a 2-core machine that import took 14 s, and each worker of each run paid it."""
+    """A Ray reward worker unpickling a task's reward and text samples imports that task's module
+    and the rewards module, not every task (the GUI renderer, the calculator's rollout) nor weir's
+    engine, transformers or torch: on a 2-core machine that import took 14 s, and each worker of
+    each run paid it."""
     import subprocess
     import sys
 
     program = (
-        "import sys, weir.tasks.gsm8k, weir.rollout.rewards, weir.tasks as t; "
+        "import sys, pickle, weir.tasks.gsm8k, weir.rollout.rewards, weir.tasks as t; "
+        "from weir.data.sample import Sample; "
         "t.get_task('arithmetic'); get = weir.rollout.rewards.get_reward('exact_match'); "
+        "pickle.loads(pickle.dumps(Sample(prompt_ids=[1], response_ids=[2], response_text='4'))); "
         "print(sorted(m for m in sys.modules if m.startswith(('weir.engine', 'weir.tasks.', "
-        "'transformers', 'weir.rollout.collect'))))"
+        "'transformers', 'weir.rollout.collect', 'torch'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, check=True

@@ -4,8 +4,9 @@ reward neither holds the driver's GIL nor delays the requests it routes.
 The actors are long-lived (a warm process each, no start-up per call) and asynchronous: each
 scores many samples at once, sync functions in its worker threads. Calls go to the actor with
 the fewest in flight. A pool is ready when it is built: `reward.timeout_s` bounds the reward
-function, not a worker's start-up (importing torch and the function's module, which on a loaded
-machine took longer than the 30 s default, and failed a first evaluation's every sample).
+function, not a worker's start-up (importing the function's module, and torch where it needs it,
+which on a loaded machine took longer than the 30 s default and failed a first evaluation's every
+sample).
 """
 
 from __future__ import annotations
@@ -13,21 +14,27 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 START_TIMEOUT_S = 300.0
-"""How long a pool waits for its workers to start (each imports torch and the reward's module)."""
+"""How long a pool waits for its workers to start (each imports the reward's module)."""
 
 
 class RewardWorker:
     """One scoring process: calls `fn(sample, row)` (sync in a thread, async awaited)."""
 
     def __init__(self, fn: Callable) -> None:
-        import torch
-
-        torch.set_num_threads(1)
+        """One torch thread, whenever torch is imported: `fn`'s module may have imported it while
+        `fn` was unpickled; otherwise OpenMP reads the variable when torch loads. A worker whose
+        reward needs no torch never imports it (importing torch costs a process about 200 MB of
+        memory)."""
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
         self.fn = fn
 
     def ready(self) -> bool:

@@ -21,11 +21,12 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from weir.data.prompts import BadRow, PromptTooLong, prompt_messages
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "VisionInputs",
@@ -56,6 +57,9 @@ class VisionInputs:
     images: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        import torch  # here, not at the top: a Sample without images never needs torch (a reward
+        # worker unpickling samples starts without it)
+
         for k, v in self.tensors.items():
             if not isinstance(v, torch.Tensor):
                 self.tensors[k] = torch.as_tensor(v)
@@ -80,6 +84,8 @@ class VisionInputs:
     ) -> dict[str, torch.Tensor]:
         """The forward kwargs of several prompts at once: each tensor concatenated along dim 0, in
         the order of `items` (the order their image tokens appear in a batch's rows)."""
+        import torch
+
         present = [x for x in items if x is not None]
         if not present:
             return {}
@@ -93,6 +99,8 @@ class VisionInputs:
 
     def equal(self, other: VisionInputs | None) -> bool:
         """Same tensors, bit for bit."""
+        import torch
+
         if other is None or list(self.tensors) != list(other.tensors):
             return False
         return all(torch.equal(self.tensors[k], other.tensors[k]) for k in self.tensors)
