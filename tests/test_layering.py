@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.fresh_python import printed_words
 
 # module -> weir packages it must not load (directly or through anything it imports)
 ABOVE_ENGINE = {"train", "rollout", "loop", "serve", "cluster", "sync"}
@@ -55,6 +54,5 @@ def test_imports_point_one_way(module):
         f"import importlib, sys; [importlib.import_module(m) for m in {module.split()!r}]; "
         "print(' '.join(sorted({k.split('.')[1] for k in sys.modules if k.startswith('weir.')})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = set(out.stdout.split())
+    loaded = set(printed_words(code))
     assert not loaded & RULES[module], f"{module} loads {sorted(loaded & RULES[module])}"

@@ -142,14 +142,9 @@ def test_weir_algo_imports_torch_and_stdlib_only():
                 assert name.split(".")[0] in allowed or name == "weir.plugins", (
                     f"{path.name} imports {name}"
                 )
-    import subprocess
+    from tests.fresh_python import printed_words
 
-    loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, weir.algo; print(' '.join(sorted(sys.modules)))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    loaded = printed_words("import sys, weir.algo; print(' '.join(sorted(sys.modules)))")
     weir_modules = {m for m in loaded if m.startswith("weir.")}
     assert all(m.startswith(("weir.algo", "weir.plugins")) for m in weir_modules), weir_modules
     for heavy in ("transformers", "pydantic", "yaml"):

@@ -1,7 +1,6 @@
 """The names `weir.rollout` exports for a loop of one's own (examples/minimal_grpo.py)."""
 
-import subprocess
-import sys
+from tests.fresh_python import printed_words
 
 
 def test_the_exports_are_the_functions_whichever_module_was_imported_first():
@@ -16,10 +15,7 @@ def test_the_exports_are_the_functions_whichever_module_was_imported_first():
         "(RolloutContext, collect_groups, evaluate, get_reward, rollout)], "
         "evaluate.__module__, weir.rollout.evaluate.__name__)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == [
+    assert printed_words(program) == [
         "[True,",
         "True,",
         "True,",

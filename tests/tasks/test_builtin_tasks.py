@@ -3,6 +3,7 @@ from fractions import Fraction
 
 import pytest
 
+from tests.fresh_python import printed_words
 from weir.data.sample import Sample
 from weir.rollout.rewards import get_reward
 from weir.tasks import TASKS, TaskSpec, arithmetic, countdown, get_task, gsm8k
@@ -20,9 +21,6 @@ def test_a_tasks_reward_loads_neither_the_other_tasks_nor_the_engine():
     and the rewards module, not every task (the GUI renderer, the calculator's rollout) nor weir's
     engine, transformers or torch: on a 2-core machine that import took 14 s, and each worker of
     each run paid it."""
-    import subprocess
-    import sys
-
     program = (
         "import sys, pickle, weir.tasks.gsm8k, weir.rollout.rewards, weir.tasks as t; "
         "from weir.data.sample import Sample; "
@@ -31,10 +29,7 @@ def test_a_tasks_reward_loads_neither_the_other_tasks_nor_the_engine():
         "print(sorted(m for m in sys.modules if m.startswith(('weir.engine', 'weir.tasks.', "
         "'transformers', 'weir.rollout.collect', 'torch'))))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == [
+    assert printed_words(program) == [
         "['weir.tasks.arithmetic',",
         "'weir.tasks.gsm8k',",
         "'weir.tasks.shared_data']",

@@ -57,8 +57,9 @@ class VisionInputs:
     images: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        import torch  # here, not at the top: a Sample without images never needs torch (a reward
-        # worker unpickling samples starts without it)
+        # torch is imported here, not at the top: a Sample without images never needs it (a
+        # reward worker unpickling text samples starts without it)
+        import torch
 
         for k, v in self.tensors.items():
             if not isinstance(v, torch.Tensor):
