@@ -154,7 +154,7 @@ def test_one_kv_budget_key_sizes_every_engine(tiny_model_dir):
     from transformers import AutoConfig
 
     from weir.engine.sglang_engine import kv_pool_tokens, sglang_argv
-    from weir.engine.vllm_engine import vllm_argv, vllm_env
+    from weir.engine.vllm_engine import executor_backend, vllm_argv, vllm_env
 
     common = dict(dtype="bfloat16", max_model_len=512, seed=0, sleep_mode=True, extra_args=[])
     gpu = vllm_argv("py", "m", 1, **common, on_gpu=True, kv_budget_gb=2.0, kv_budget_fraction=0.7)
@@ -164,6 +164,15 @@ def test_one_kv_budget_key_sizes_every_engine(tiny_model_dir):
     cpu = vllm_argv("py", "m", 1, **common, on_gpu=False, kv_budget_gb=2.0)
     assert "--enforce-eager" in cpu and "--kv-cache-memory-bytes" not in cpu
     assert "--enable-sleep-mode" not in cpu
+    # on a CPU the one worker runs in the engine core's process, unless the user names a backend
+    assert executor_backend(gpu) is None and executor_backend(cpu) == "uni"
+    mp = ["--distributed-executor-backend=mp"]
+    assert (
+        executor_backend(vllm_argv("py", "m", 1, **{**common, "extra_args": mp}, on_gpu=False))
+        == "mp"
+    )
+    assert vllm_env(None, uni=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(None)
     assert vllm_env(None)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert vllm_env(2.5)["VLLM_CPU_KVCACHE_SPACE"] == "3"
 
@@ -330,3 +339,27 @@ def test_a_server_dying_during_a_weight_update_is_shed_and_the_update_goes_to_th
             assert engine.healthy == [True, False, False] and engine.update_retries == 2
         finally:
             engine.close()
+
+
+def test_a_server_host_loads_neither_torch_nor_transformers(tmp_path):
+    """A Ray actor owning a vLLM or SGLang server imports `ServerHost` and unpickles the run's
+    launcher; it starts the server as a child process and needs neither torch nor transformers
+    (each would cost the actor seconds of CPU to import, and memory for as long as it lives)."""
+    import pickle
+
+    from tests.fresh_python import printed_words
+    from weir.engine.vllm_engine import VllmLauncher
+
+    launcher = VllmLauncher(
+        python="py", model_path="m", work_dir=tmp_path, dtype="float32", max_model_len=64, seed=0,
+        sleep_mode=False, extra_args=(), kv_budget_gb=None, kv_budget_fraction=None,
+        startup_timeout_s=1.0,
+    )  # fmt: skip
+    program = (
+        "import pickle, sys; from weir.engine.server_host import ServerHost; "
+        "import weir.engine.sglang_engine; "
+        f"launch = pickle.loads({pickle.dumps(launcher)!r}); "
+        "proc = launch(0, 1234); "
+        "print(type(proc).__name__, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    assert printed_words(program) == ["ServerProcess", "False", "False"]

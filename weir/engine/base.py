@@ -29,9 +29,10 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
 

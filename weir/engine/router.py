@@ -20,9 +20,10 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from weir.engine.base import Completion, SamplingParams, SyncControl, summed_stats
 

@@ -21,9 +21,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from weir.engine.servers import Replica
 
