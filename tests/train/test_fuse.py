@@ -223,3 +223,72 @@ def test_a_forward_with_a_kv_cache_runs_uncompiled_and_leaves_the_graph_to_train
         torch._dynamo.reset()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     torch.testing.assert_close(padded, padded_eager, atol=1e-6, rtol=0)
+
+
+def test_compiled_layers_take_every_micro_batch_shape_with_one_graph(monkeypatch):
+    """A run's `varlen` micro-batches differ in tokens, in sequences and in the longest sequence,
+    step after step. The compiled decoder layers must take them all with the one graph: a graph
+    per shape would reach Dynamo's `recompile_limit` (8) within a few steps, and every
+    micro-batch after it would run uncompiled without a word. On a CPU the FlashAttention-2
+    kernel is stood in for by a custom op of its signature (SDPA per sequence inside, opaque to
+    Dynamo as the real op is), so that the layer's graph holds the call a GPU makes."""
+    import torch._dynamo
+
+    from weir.train import varlen
+    from weir.train.packing import packed_response_logprobs
+
+    @torch.library.custom_op("weir_test::varlen_attn", mutates_args={})
+    def stand_in(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
+        return varlen._per_sequence(q, k, v, cu_q, scale, None)
+
+    @stand_in.register_fake
+    def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, enable_gqa):
+        return torch.empty_like(q)
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, scale, enable_gqa):
+        assert window_size == (-1, 0)  # causal, no window
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, enable_gqa)
+
+    graphs, calls = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": counting})
+    monkeypatch.setattr(varlen, "_kernel", lambda: (kernel, frozenset(("window_size", "scale", "enable_gqa"))))  # fmt: skip
+    monkeypatch.setattr(varlen, "flash_runs", lambda device, dtype, head_dim: True)
+    model = _model(layers=3)
+    eager = copy.deepcopy(model)
+    assert apply_fusion("compile", model, CPU).route == "compile"
+    g = torch.Generator().manual_seed(0)
+    micro_batches = [(2, 9), (3, 17), (5, 6), (4, 30), (7, 12), (2, 41), (6, 23), (3, 8), (9, 15)]
+    try:
+        with torch.no_grad():
+            for count, longest in micro_batches:  # 9 shapes: one more than the limit
+                lengths = [longest, *torch.randint(3, longest + 1, (count - 1,), generator=g)]
+                seqs = [torch.randint(2, 256, (int(n),), generator=g).tolist() for n in lengths]
+                lens = [max(1, len(s) // 3) for s in seqs]
+                got = packed_response_logprobs(model, seqs, lens, varlen=True).logprobs
+                want = packed_response_logprobs(eager, seqs, lens, varlen=True).logprobs
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert len(calls) == 3 * len(micro_batches)  # every layer of every micro-batch ran it
