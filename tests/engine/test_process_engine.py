@@ -17,7 +17,7 @@ from engine_helpers import EOS, PAD, assert_parity, make_prompts, perturbed
 from weir.config.devices import apply_backend_flags, backend_flags
 from weir.engine import TorchEngine
 from weir.engine.base import SamplingParams
-from weir.engine.process_engine import EngineProcessDied, ProcessEngine
+from weir.engine.process_engine import EngineProcessDied, ProcessEngine, start_method
 
 PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
 
@@ -162,3 +162,19 @@ def test_the_child_runs_under_this_process_torch_backend_settings(model):
     finally:
         apply_backend_flags(saved)
     assert backend_flags() == saved
+
+
+def test_a_cpu_child_forks_warm_and_takes_the_environment_of_its_start(model, monkeypatch):
+    """On a CPU the child is forked from the fork server, which imported the engine's modules
+    once: no child pays for importing torch and transformers. It still runs in the environment
+    the parent has when it makes the engine, not the one the fork server started with. On CUDA
+    the child is spawned (a forked process cannot use CUDA)."""
+    assert start_method(torch.device("cuda", 0)) == "spawn"
+    assert start_method(torch.device("cpu")) == "forkserver"
+    prompts = make_prompts(2, 3, 8, seed=3)
+    for value in ("first", "second"):  # the fork server is started by the first, if not before
+        monkeypatch.setenv("WEIR_TEST_CHILD_ENV", value)
+        with ProcessEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=PAD) as eng:
+            assert eng.preloaded
+            assert eng.generate_many(prompts, PARAMS)[0]
+            assert eng.child_getenv("WEIR_TEST_CHILD_ENV") == value

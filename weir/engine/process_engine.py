@@ -3,9 +3,17 @@
 In `loop.mode=async` the trainer and the engine run at once. In one process they are two threads,
 and every Python step of either (the engine's scheduling and sampling bookkeeping, the trainer's
 micro-batch loop, the rollout's reward code) waits for the other's to release the GIL. Here the
-`TorchEngine` runs in a process started with ``spawn``; the parent keeps a proxy that speaks the
+`TorchEngine` runs in a child process; the parent keeps a proxy that speaks the
 `Engine` protocol and the blocking control API the loop uses (``*_sync``, ``stats``, checkpoint
 state), so the loop, the rollouts and the checks do not know the difference.
+
+Start: a model on CUDA gets a ``spawn``ed child (a fresh interpreter: CUDA cannot be used in a
+forked one). A model on a CPU gets a child forked from multiprocessing's fork server, which
+imports torch, transformers and the engine once (`PRELOAD`) and forks every later child from
+there: a child is ready in about a second instead of the seconds a fresh interpreter spends
+importing them (a run's second replica, an engine restarted after it died, every run of a
+process that makes many). The fork server imports nothing that starts a thread or touches a
+device, and the child takes the parent's environment as it is when the engine is made.
 
 Transport: one `multiprocessing` pipe. A call is ``(call_id, method, args)``; the child answers
 ``(call_id, ok, value)``. Generation calls are answered when their request ends, so many are in
@@ -51,6 +59,8 @@ from weir.engine.base import Completion, FromSubmitMany, SamplingParams, SyncCon
 
 log = logging.getLogger(__name__)
 
+PRELOAD = ["weir.engine.process_engine", "weir.engine.torch_engine"]
+"""What the fork server imports before it forks children (see the module docstring)."""
 CLOSE_TIMEOUT_S = 8.0  # the child's own bound on stopping
 STOP_WAIT_S = CLOSE_TIMEOUT_S + 2  # how long the parent waits for it before terminating it
 
@@ -75,10 +85,30 @@ class EngineProcessDied(RuntimeError):
     """The engine's child process exited while calls were in flight, or before a call."""
 
 
+def start_method(device: torch.device) -> str:
+    """How the child of an engine on `device` starts: ``spawn`` on CUDA, else ``forkserver``."""
+    return "spawn" if device.type == "cuda" else "forkserver"
+
+
+def _context(device: torch.device) -> Any:
+    ctx = torch.multiprocessing.get_context(start_method(device))
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _child_main(
-    conn: Any, model: torch.nn.Module, kwargs: dict, num_threads: int | None, backends: dict
+    conn: Any,
+    model: torch.nn.Module,
+    kwargs: dict,
+    num_threads: int | None,
+    backends: dict,
+    environ: dict[str, str],
 ) -> None:
     """The child: build the `TorchEngine` on `model` and serve calls from `conn` until "close"."""
+    warm = "weir.engine.torch_engine" in sys.modules
+    os.environ.clear()
+    os.environ.update(environ)  # a forked child has the fork server's, from when it started
     from weir.engine.torch_engine import TorchEngine
 
     if num_threads is not None:
@@ -96,7 +126,7 @@ def _child_main(
     except BaseException as exc:  # e.g. UnsupportedModel, a KV budget that cannot be met
         reply(0, False, _portable(exc))
         return
-    reply(0, True, _describe(engine))
+    reply(0, True, {**_describe(engine), "preloaded": warm})
     buffers: dict[str, torch.Tensor] = {}
     control = ThreadPoolExecutor(1, thread_name_prefix="weir-engine-control")
 
@@ -135,6 +165,8 @@ def _child_main(
                     fut.add_done_callback(lambda f, c=call_id + i: answer_future(c, f))
             elif method == "close":
                 break
+            elif method == "getenv":
+                reply(call_id, True, os.environ.get(*args))
             elif method == "update_weights" or method in _CONTROL:
                 control.submit(run_control, call_id, method, args)
             else:
@@ -214,11 +246,12 @@ class ProcessEngine(FromSubmitMany, SyncControl):
     ) -> None:
         if num_threads is None:
             num_threads = torch.get_num_threads()
-        ctx = torch.multiprocessing.get_context("spawn")
+        device = next(iter(model.parameters()), torch.empty(0)).device
+        ctx = _context(device)
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, model, engine_kwargs, num_threads, backend_flags()),
+            args=(child_conn, model, engine_kwargs, num_threads, backend_flags(), dict(os.environ)),
             name="weir-engine",
             daemon=True,
         )
@@ -249,6 +282,8 @@ class ProcessEngine(FromSubmitMany, SyncControl):
         self.dtype: torch.dtype = info["dtype"]
         self.device = torch.device(info["device"])
         self.backends: dict[str, Any] = info["backends"]  # the child's, as `backend_flags` reads
+        self.preloaded: bool = info["preloaded"]
+        """The child found the engine's modules imported (forked from the fork server)."""
 
     # -- transport ---------------------------------------------------------------------------------
 
@@ -292,6 +327,10 @@ class ProcessEngine(FromSubmitMany, SyncControl):
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._send(method, args)[0].result()
+
+    def child_getenv(self, name: str) -> str | None:
+        """The environment variable `name` as the engine's process sees it."""
+        return self._call("getenv", name)
 
     # -- generation --------------------------------------------------------------------------------
 
