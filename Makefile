@@ -22,7 +22,7 @@ setup-tf-old: setup
 # The tests marked hf_compat, against the oldest supported transformers (the suite itself runs
 # against .venv's, the newest): both ends of the range weir supports.
 test-tf-old: setup-tf-old
-	WEIR_EXPECT_TRANSFORMERS=oldest .venv-tf-old/bin/python -m pytest -q -p no:cacheprovider \
+	PYTHONDONTWRITEBYTECODE= WEIR_EXPECT_TRANSFORMERS=oldest .venv-tf-old/bin/python -m pytest -q -p no:cacheprovider \
 		-m hf_compat $$(grep -rl --include='test_*.py' 'mark.hf_compat' tests)
 
 # The test suite (CI's), with the docs site's strict build and the docs' tutorials (tests/docs):
@@ -30,7 +30,10 @@ test-tf-old: setup-tf-old
 # Two workers, one per core (every test uses one torch thread); whole files stay on one worker, so
 # module-scoped servers and Ray start once per file. .venv-vllm is built beside .venv and the
 # old-transformers subset (on a fresh 2-core machine 2.0 + 2.8 min one after the other).
-SUITE := $(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+# The tests' processes write the bytecode of what they import where the set-up did not compile it
+# (scripts/installer.sh, compile_bytecode): with PYTHONDONTWRITEBYTECODE set, as on CI's machines,
+# every Ray actor and server would compile those modules from source again.
+SUITE := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 test:
 	$(MAKE) --no-print-directory -j2 setup-vllm test-tf-old
 	$(SUITE) -m "not heavy"

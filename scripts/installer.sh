@@ -33,17 +33,51 @@ install_into() {
   "$venv/bin/python" -m pip --disable-pip-version-check -q install "$@"
 }
 
-# `compile_bytecode VENV [DIR...]` writes the .pyc files of VENV's site-packages (and of DIRs) now,
-# on every core. Without them each process compiles every module it imports from source: where
+# `compile_bytecode VENV [DIR...] [-- MODULE...]` writes, now, the .pyc files of each DIR and of
+# every module that importing the MODULEs loads in VENV (a name ending in ".*": the package and all
+# its modules). Without them each process compiles every module it imports from source, and where
 # PYTHONDONTWRITEBYTECODE is set (CI's machines set it) it does so again in every process, since
-# nothing is written back. Measured on the 2-core AVX2 EPYC: `import torch, transformers` took
-# 18 s of CPU without .pyc files and 8 s with them, and the test suite starts hundreds of
-# processes (Ray actors, vLLM's three per server); compiling .venv took 82 s. Files that do not
-# compile under this Python (templates, other versions' syntax in test modules) are skipped.
+# nothing is written back: `import torch, transformers` took 18 s of CPU without .pyc files and 8 s
+# with them on the 2-core AVX2 EPYC, and the test suite starts hundreds of processes. Only what
+# weir's processes import, not whole environments: compileall over .venv took 82 s there for some
+# 30,000 files, of which a weir process imports about 3,300. `make test` lets its processes write
+# the .pyc of whatever else they import (the Makefile says why). Up-to-date files are skipped.
 compile_bytecode() {
   local venv=$1
   shift
-  local site
-  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  "$venv/bin/python" -m compileall -q -j 0 "$site" "$@" >/dev/null 2>&1 || true
+  local dirs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do dirs+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  if [ ${#dirs[@]} -gt 0 ]; then
+    "$venv/bin/python" -m compileall -q -j 0 "${dirs[@]}" >/dev/null 2>&1 || true
+  fi
+  [ $# -gt 0 ] || return 0
+  "$venv/bin/python" -W ignore - "$@" >/dev/null 2>&1 <<'PY' || true
+import compileall, importlib, pkgutil, sys
+
+sys.dont_write_bytecode = False  # each import writes its .pyc as it compiles the module
+
+
+def package_modules(name):
+    names = []
+    try:  # a subpackage that fails to import ends the walk, keeping what it found
+        package = importlib.import_module(name)
+        for info in pkgutil.walk_packages(package.__path__, name + ".", onerror=lambda _: None):
+            names.append(info.name)
+    except BaseException:
+        pass
+    return names
+
+
+for name in sys.argv[1:]:
+    for module in package_modules(name[:-2]) if name.endswith(".*") else [name]:
+        try:
+            importlib.import_module(module)
+        except BaseException:  # an optional dependency missing, a module for another platform
+            pass
+for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None)
+    if path and path.endswith(".py"):
+        compileall.compile_file(path, quiet=2)
+PY
 }

@@ -9,9 +9,9 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# torch is installed without compiling its bytecode (--no-compile: pip does it on one core, for
+# every module); compile_bytecode at the end writes what weir's processes import.
 
-# torch is installed without compiling its bytecode (--no-compile: pip does it on one core);
-# compile_bytecode below does it for every package at the end, on every core.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     "${PIP[@]}" install --no-compile "torch==$TORCH_VERSION"
@@ -69,5 +69,8 @@ if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
     || echo "setup: could not install bubblewrap; the code sandbox will use a weaker level" >&2
 fi
-compile_bytecode "$VENV" weir
+# weir's modules and what they import, the model classes the tests and demos build, Ray, pytest
+compile_bytecode "$VENV" weir -- 'weir.*' ray ray.util.placement_group peft pytest xdist hypothesis \
+  transformers.models.qwen3.modeling_qwen3 transformers.models.qwen2.modeling_qwen2 \
+  transformers.models.llama.modeling_llama transformers.models.qwen2_5_vl.modeling_qwen2_5_vl
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -25,5 +25,6 @@ if [[ "$(have)" != "$OLDEST"* ]]; then
     install --no-compile "transformers==$OLDEST.*"
 fi
 source scripts/installer.sh
-compile_bytecode "$VENV"  # its transformers (scripts/installer.sh says why)
+compile_bytecode "$VENV" -- transformers.modeling_utils transformers.models.qwen3.modeling_qwen3 \
+  transformers.models.llama.modeling_llama  # its transformers (scripts/installer.sh says why)
 echo "setup-tf-old: ready (transformers $(have) over $BASE)"

@@ -14,8 +14,14 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 source scripts/installer.sh  # uv where it can be had (torch pinned to the build below), else pip
+compile_server_bytecode() {  # what a server's processes import (scripts/installer.sh says why)
+  compile_bytecode "$VENV" -- vllm.entrypoints.openai.api_server vllm.v1.engine.core \
+    vllm.v1.engine.async_llm vllm.v1.executor.uniproc_executor vllm.v1.executor.multiproc_executor \
+    vllm.v1.worker.cpu_worker vllm.v1.worker.gpu_worker vllm.model_executor.models.qwen3 \
+    vllm.model_executor.models.qwen2 vllm.model_executor.models.llama vllm.lora.worker_manager
+}
 if "$PY" -W ignore -c "import vllm" >/dev/null 2>&1; then
-  compile_bytecode "$VENV"
+  compile_server_bytecode
   echo "setup-vllm: ready ($("$PY" -W ignore -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null))"
   exit 0
 fi
@@ -32,5 +38,5 @@ else
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "$PY" -W ignore -c "import vllm" || { echo "setup-vllm: vllm does not import in $VENV" >&2; exit 1; }
-compile_bytecode "$VENV"
+compile_server_bytecode
 echo "setup-vllm: ready ($("$PY" -W ignore -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null))"
