@@ -60,7 +60,7 @@ sys.dont_write_bytecode = False  # each import writes its .pyc as it compiles th
 
 def package_modules(name):
     names = []
-    try:  # a subpackage that fails to import ends the walk, keeping what it found
+    try:  # a subpackage that fails to import is skipped; any other error ends the walk
         package = importlib.import_module(name)
         for info in pkgutil.walk_packages(package.__path__, name + ".", onerror=lambda _: None):
             names.append(info.name)

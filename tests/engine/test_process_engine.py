@@ -169,8 +169,7 @@ def test_a_cpu_child_forks_warm_and_takes_the_environment_of_its_start(model, mo
     once: no child pays for importing torch and transformers. It still runs in the environment
     the parent has when it makes the engine, not the one the fork server started with. On CUDA
     the child is spawned (a forked process cannot use CUDA)."""
-    assert start_method(torch.device("cuda", 0)) == "spawn"
-    assert start_method(torch.device("cpu")) == "forkserver"
+    assert start_method(model) == "forkserver"
     prompts = make_prompts(2, 3, 8, seed=3)
     for value in ("first", "second"):  # the fork server is started by the first, if not before
         monkeypatch.setenv("WEIR_TEST_CHILD_ENV", value)
@@ -178,3 +177,18 @@ def test_a_cpu_child_forks_warm_and_takes_the_environment_of_its_start(model, mo
             assert eng.preloaded
             assert eng.generate_many(prompts, PARAMS)[0]
             assert eng.child_getenv("WEIR_TEST_CHILD_ENV") == value
+
+
+def test_a_model_of_more_tensors_than_a_fork_server_passes_gets_a_spawned_child(model):
+    """The fork server hands a child at most 255 file descriptors, one per tensor storage: a real
+    model (Qwen2.5-0.5B has about 290 tensors) goes to a spawned child, which serves as before."""
+    from transformers import AutoModelForCausalLM
+
+    settings = {**model.config.to_dict(), "num_hidden_layers": 30}  # 11 tensors a layer
+    settings.pop("layer_types", None)
+    config = type(model.config)(**settings)
+    big = AutoModelForCausalLM.from_config(config).eval()
+    assert len([*big.parameters(), *big.buffers()]) > 256 and start_method(big) == "spawn"
+    with ProcessEngine(big, eos_token_ids=[EOS], pad_token_id=PAD) as eng:
+        assert not eng.preloaded
+        assert eng.generate_many(make_prompts(2, 3, 8, seed=4), PARAMS)[0]

@@ -171,6 +171,7 @@ def test_one_kv_budget_key_sizes_every_engine(tiny_model_dir):
         executor_backend(vllm_argv("py", "m", 1, **{**common, "extra_args": mp}, on_gpu=False))
         == "mp"
     )
+    assert executor_backend(["--distributed_executor_backend", "mp"]) == "mp"
     assert vllm_env(None, uni=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(None)
     assert vllm_env(None)["VLLM_CPU_KVCACHE_SPACE"] == "1"

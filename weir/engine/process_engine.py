@@ -13,7 +13,10 @@ imports torch, transformers and the engine once (`PRELOAD`) and forks every late
 there: a child is ready in about a second instead of the seconds a fresh interpreter spends
 importing them (a run's second replica, an engine restarted after it died, every run of a
 process that makes many). The fork server imports nothing that starts a thread or touches a
-device, and the child takes the parent's environment as it is when the engine is made.
+device. The child sets the parent's `os.environ` as it is when the engine is made; what a library
+read from the environment when the fork server imported it (``HF_HOME``, ``TORCH_LOGS``) keeps
+the fork server's value. A CPU model of more than `FORKSERVER_MAX_STORAGES` tensors (a real 0.5B
+model has about 290) cannot be handed to a forked child, and its child is spawned.
 
 Transport: one `multiprocessing` pipe. A call is ``(call_id, method, args)``; the child answers
 ``(call_id, ok, value)``. Generation calls are answered when their request ends, so many are in
@@ -85,13 +88,25 @@ class EngineProcessDied(RuntimeError):
     """The engine's child process exited while calls were in flight, or before a call."""
 
 
-def start_method(device: torch.device) -> str:
-    """How the child of an engine on `device` starts: ``spawn`` on CUDA, else ``forkserver``."""
-    return "spawn" if device.type == "cuda" else "forkserver"
+FORKSERVER_MAX_STORAGES = 200
+"""The most tensor storages a model may have to reach a forked child: each goes as one file
+descriptor, and the fork server refuses a child that would take 256 or more (Python's
+`multiprocessing.forkserver.MAXFDS_TO_SEND`); a larger model's child is spawned."""
 
 
-def _context(device: torch.device) -> Any:
-    ctx = torch.multiprocessing.get_context(start_method(device))
+def start_method(model: torch.nn.Module) -> str:
+    """How the child of an engine on `model` starts: ``spawn`` when any of its tensors is on CUDA
+    or it has more tensor storages than a forked child can be handed (`FORKSERVER_MAX_STORAGES`),
+    else ``forkserver``."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_cuda for t in tensors):
+        return "spawn"
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    return "forkserver" if len(storages) <= FORKSERVER_MAX_STORAGES else "spawn"
+
+
+def _context(model: torch.nn.Module) -> Any:
+    ctx = torch.multiprocessing.get_context(start_method(model))
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -246,8 +261,7 @@ class ProcessEngine(FromSubmitMany, SyncControl):
     ) -> None:
         if num_threads is None:
             num_threads = torch.get_num_threads()
-        device = next(iter(model.parameters()), torch.empty(0)).device
-        ctx = _context(device)
+        ctx = _context(model)
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
             target=_child_main,

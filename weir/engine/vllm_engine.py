@@ -282,12 +282,13 @@ def vllm_argv(
 
 def executor_backend(argv: list[str]) -> str | None:
     """The ``--distributed-executor-backend`` a vLLM command line asks for (None: vLLM's choice)."""
-    for i, arg in enumerate(argv):
-        if arg == EXECUTOR_FLAG and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(EXECUTOR_FLAG + "="):
-            return arg.split("=", 1)[1]
-    return None
+    found = None
+    for i, arg in enumerate(argv):  # vLLM takes either spelling, and the last one given
+        flag, _, value = arg.partition("=")
+        if flag.replace("_", "-") != EXECUTOR_FLAG:
+            continue
+        found = value if value else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found
 
 
 def vllm_env(kv_budget_gb: float | None, lora: bool = False, uni: bool = False) -> dict[str, str]:
