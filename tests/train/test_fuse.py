@@ -42,6 +42,30 @@ def no_compiler(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
 
 
+@pytest.fixture
+def counting_compile(monkeypatch):
+    """The `compile` route with a backend that records each graph Dynamo compiles and each call of
+    one: yields (graphs, calls). Dynamo's cache is emptied before and after (a layer's code object
+    shares it across the process)."""
+    import torch._dynamo
+
+    graphs, calls = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": counting})
+    yield graphs, calls
+    torch._dynamo.reset()
+
+
 def test_auto_is_off_on_a_cpu_and_liger_falls_back_to_compile_there():
     model = _model()
     assert choose_fusion("auto", model, CPU).route == "off"
@@ -180,7 +204,9 @@ def test_compiled_layers_leave_a_deep_copy_uncompiled():
     assert all(layer._compiled_call_impl is None for layer in twin.model.layers)
 
 
-def test_a_forward_with_a_kv_cache_runs_uncompiled_and_leaves_the_graph_to_training(monkeypatch):
+def test_a_forward_with_a_kv_cache_runs_uncompiled_and_leaves_the_graph_to_training(
+    counting_compile,
+):
     """The `prefix` layout's forwards carry a KV cache; through compiled layers Dynamo guarded on
     the cache entry of each layer's index, so each layer took a graph of its own until the eighth
     hit `recompile_limit`, and every later call that missed those graphs ran uncompiled: the
@@ -188,52 +214,33 @@ def test_a_forward_with_a_kv_cache_runs_uncompiled_and_leaves_the_graph_to_train
     (a GPU run's log: "hit config.recompile_limit (8)", last reason
     `past_key_values.layers[7].is_initialized`). Twelve layers, more than the limit: the prefix
     forward compiles nothing, and the padded forward after it runs one compiled graph for all."""
-    import torch._dynamo
-
     from weir.train.packing import padded_response_logprobs
     from weir.train.prefix_pass import prefix_response_logprobs
 
-    graphs, calls = [], []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-
-        def run(*args):
-            calls.append(1)
-            return gm.forward(*args)
-
-        return run
-
-    torch._dynamo.reset()  # the layer's code object shares Dynamo's cache across the process
-    monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": counting})
+    graphs, calls = counting_compile
     model = _model(layers=12)
     eager = copy.deepcopy(model)
     assert apply_fusion("compile", model, CPU).route == "compile"
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [13, 14, 15, 16]]
     lens = [3, 2, 2]
-    try:
-        with torch.no_grad():
-            got = prefix_response_logprobs(model, seqs, lens).logprobs
-            want = prefix_response_logprobs(eager, seqs, lens).logprobs
-            assert graphs == [] and calls == []
-            padded = padded_response_logprobs(model, seqs, lens).logprobs
-            assert len(graphs) == 1 and len(calls) == 12  # every layer ran the one graph
-            padded_eager = padded_response_logprobs(eager, seqs, lens).logprobs
-    finally:
-        torch._dynamo.reset()
+    with torch.no_grad():
+        got = prefix_response_logprobs(model, seqs, lens).logprobs
+        want = prefix_response_logprobs(eager, seqs, lens).logprobs
+        assert graphs == [] and calls == []
+        padded = padded_response_logprobs(model, seqs, lens).logprobs
+        assert len(graphs) == 1 and len(calls) == 12  # every layer ran the one graph
+        padded_eager = padded_response_logprobs(eager, seqs, lens).logprobs
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     torch.testing.assert_close(padded, padded_eager, atol=1e-6, rtol=0)
 
 
-def test_compiled_layers_take_every_micro_batch_shape_with_one_graph(monkeypatch):
+def test_compiled_layers_take_every_micro_batch_shape_with_one_graph(monkeypatch, counting_compile):
     """A run's `varlen` micro-batches differ in tokens, in sequences and in the longest sequence,
     step after step. The compiled decoder layers must take them all with the one graph: a graph
     per shape would reach Dynamo's `recompile_limit` (8) within a few steps, and every
     micro-batch after it would run uncompiled without a word. On a CPU the FlashAttention-2
     kernel is stood in for by a custom op of its signature (SDPA per sequence inside, opaque to
     Dynamo as the real op is), so that the layer's graph holds the call a GPU makes."""
-    import torch._dynamo
-
     from weir.train import varlen
     from weir.train.packing import packed_response_logprobs
 
@@ -259,19 +266,7 @@ def test_compiled_layers_take_every_micro_batch_shape_with_one_graph(monkeypatch
         assert window_size == (-1, 0)  # causal, no window
         return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, enable_gqa)
 
-    graphs, calls = [], []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-
-        def run(*args):
-            calls.append(1)
-            return gm.forward(*args)
-
-        return run
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(fuse, "COMPILE_OPTIONS", {"dynamic": True, "backend": counting})
+    graphs, calls = counting_compile
     monkeypatch.setattr(varlen, "_kernel", lambda: (kernel, frozenset(("window_size", "scale", "enable_gqa"))))  # fmt: skip
     monkeypatch.setattr(varlen, "flash_runs", lambda device, dtype, head_dim: True)
     model = _model(layers=3)
@@ -279,16 +274,13 @@ def test_compiled_layers_take_every_micro_batch_shape_with_one_graph(monkeypatch
     assert apply_fusion("compile", model, CPU).route == "compile"
     g = torch.Generator().manual_seed(0)
     micro_batches = [(2, 9), (3, 17), (5, 6), (4, 30), (7, 12), (2, 41), (6, 23), (3, 8), (9, 15)]
-    try:
-        with torch.no_grad():
-            for count, longest in micro_batches:  # 9 shapes: one more than the limit
-                lengths = [longest, *torch.randint(3, longest + 1, (count - 1,), generator=g)]
-                seqs = [torch.randint(2, 256, (int(n),), generator=g).tolist() for n in lengths]
-                lens = [max(1, len(s) // 3) for s in seqs]
-                got = packed_response_logprobs(model, seqs, lens, varlen=True).logprobs
-                want = packed_response_logprobs(eager, seqs, lens, varlen=True).logprobs
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    finally:
-        torch._dynamo.reset()
+    with torch.no_grad():
+        for count, longest in micro_batches:  # 9 shapes: one more than the limit
+            lengths = [longest, *torch.randint(3, longest + 1, (count - 1,), generator=g)]
+            seqs = [torch.randint(2, 256, (int(n),), generator=g).tolist() for n in lengths]
+            lens = [max(1, len(s) // 3) for s in seqs]
+            got = packed_response_logprobs(model, seqs, lens, varlen=True).logprobs
+            want = packed_response_logprobs(eager, seqs, lens, varlen=True).logprobs
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert len(graphs) == 1
     assert len(calls) == 3 * len(micro_batches)  # every layer of every micro-batch ran it
