@@ -106,8 +106,9 @@ def start_method(model: torch.nn.Module) -> str:
 
 
 def _context(model: torch.nn.Module) -> Any:
-    ctx = torch.multiprocessing.get_context(start_method(model))
-    if ctx.get_start_method() == "forkserver":
+    method = start_method(model)
+    ctx = torch.multiprocessing.get_context(method)
+    if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
