@@ -119,6 +119,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "weir.algo.entropy._COMPILE_OPTIONS": {"dynamic": None},
         },
     },
+    # Inductor autotunes each matmul of the compiled layers (cuBLAS against its Triton templates,
+    # which can take a pointwise epilogue: bias, SiLU x up, a residual add) instead of calling
+    # cuBLAS as it comes; at 0.5B the step is partly bound by memory traffic (an H100 took 1.05-1.20x
+    # an H200's time on the same configuration), which such epilogues cut. Minutes of autotuning
+    # at the first step
+    "copy_compile_gemm": {
+        "mixed_precision": "compute_copy",
+        "fuse": "compile",
+        "_patch": {
+            "weir.train.fuse.COMPILE_OPTIONS": {
+                "dynamic": True,
+                "options": {"max_autotune_gemm": True},
+            },
+        },
+    },
     # the hand-written Triton kernels for the log-probs and entropy (weir.algo.logprob_triton)
     "copy_compile_triton": {
         "mixed_precision": "compute_copy",

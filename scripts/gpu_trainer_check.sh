@@ -8,7 +8,8 @@
 #    the old defaults, automatic dynamic shapes for the compiled graphs and the Triton head kernel
 #    (and its block sizes alone: benchmarks/gpu_timing.triton_block_sweep);
 #    then the 0.5B defaults again in a process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-#    (the allocator's cudaMalloc calls over the timed steps are printed beside each figure);
+#    (the allocator's cudaMalloc calls over the timed steps are printed beside each figure), and
+#    beside them Inductor's autotuned matmuls with their epilogues (copy_compile_gemm);
 # 3. the colocated Ray step (engine weights parked in host memory, the lazy wake) and with the
 #    engine keeping its weights (the default), and the weight sync's seconds per GB; then, if time
 #    is left, the one-rank FSDP2 step with compiled layers (fsdp_compile);
@@ -37,8 +38,10 @@ timeout 170 python3 benchmarks/gpu_trainer.py --budget-s 160 --no-profile --part
   --variants copy_compile_triton,copy_compile_autodyn,autocast_off \
   --out "$OUT/gpu_trainer.json" >"$OUT/gpu_trainer.log" 2>&1
 echo "bench rc=$? $(el) s" | tee -a "$OUT/times.txt"
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 60 python3 benchmarks/gpu_trainer.py \
-  --shapes 0.5b --budget-s 55 --no-profile --parts "" --variants "" --head-rows 0 \
+# at most 130 s, keeping 285 s for the Ray, LoRA and colocated parts after it
+t=$((570 - 285 - $(el))); [ "$t" -gt 130 ] && t=130; [ "$t" -lt 60 ] && t=60
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $t python3 benchmarks/gpu_trainer.py \
+  --shapes 0.5b --budget-s $((t - 5)) --no-profile --parts "" --variants copy_compile_gemm --head-rows 0 \
   --out "$OUT/gpu_trainer_expandable.json" >"$OUT/gpu_trainer_expandable.log" 2>&1
 echo "bench expandable_segments rc=$? $(el) s" | tee -a "$OUT/times.txt"
 timeout 165 python3 benchmarks/gpu_trainer.py --shapes "" --ray --ray-modes defaults,fsdp_compile --budget-s 160 \
