@@ -50,7 +50,7 @@ def one_server(args: argparse.Namespace, mode: str, eos: int, prompts: list[list
                 n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1
             )
             engine.generate_many(prompts[:2], params)
-            rates = []
+            rates, tokens = [], 0
             for _ in range(args.rounds):
                 t = time.perf_counter()
                 out = engine.generate_many(prompts, params)
