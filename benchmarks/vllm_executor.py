@@ -20,15 +20,12 @@ import argparse
 import os
 import tempfile
 import time
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from weir.config.schema import EngineConfig
 from weir.engine.base import SamplingParams
 from weir.engine.vllm_engine import start_vllm
-
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
 def one_server(args: argparse.Namespace, mode: str, eos: int, prompts: list[list[int]]) -> dict:
@@ -73,7 +70,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--python", default=os.environ.get("WEIR_VLLM_PYTHON", str(VLLM_PYTHON)))
+    ap.add_argument("--python", help="the servers' Python (default: as engine.python's)")
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(args.model)
