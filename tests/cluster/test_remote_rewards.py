@@ -112,3 +112,40 @@ def test_a_reward_worker_that_cannot_start_ends_the_run_saying_why(ray_local):
         ValueError, match="reward workers for SlowToStart could not start.*my_rewards"
     ):
         RewardPool(SlowToStart(0.0, fails=True), workers=1, num_cpus=0.1)
+
+
+def test_a_ray_run_whose_reward_workers_cannot_start_says_why_and_releases_the_cluster(
+    ray_local, tmp_path
+):
+    """The reward workers start beside the trainer ranks and engines (weir.loop.ray_build); when
+    they cannot, the run ends with the reason, and no actor or placement group of it is left to
+    hold the cluster's resources."""
+    import weir
+
+    config = {
+        "run": {"steps": 1, "eval_every": 0, "dir": str(tmp_path)},
+        "model": {"path": "tiny:nano", "threads": 1},
+        "data": {"task": "arithmetic", "eval_size": 2},
+        "rollout": {"n": 2, "batch_prompts": 2, "max_new_tokens": 2},
+        "telemetry": {"console": False},
+    }
+    cluster = [
+        "cluster.type=ray",
+        "cluster.trainer.ranks=1",
+        "cluster.trainer.cpus_per_rank=0.5",
+        "cluster.engines.cpus=0.5",
+        "cluster.reward_workers=1",
+    ]
+    with pytest.raises(ValueError, match="reward workers for SlowToStart could not start"):
+        weir.run(config, cluster, reward=SlowToStart(0.0, fails=True))
+    from ray._private.state import actors  # the GCS's table (the state API needs a dashboard)
+
+    groups = ray_local.util.placement_group_table().values()
+    assert all(g["state"] == "REMOVED" for g in groups), list(groups)
+    left = [
+        a["ActorClassName"]
+        for a in actors().values()
+        if a["State"] != "DEAD"
+        and a["ActorClassName"] in ("RewardWorker", "SyncTrainerRank", "SyncEngineWorker")
+    ]
+    assert not left, left

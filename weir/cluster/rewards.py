@@ -48,8 +48,12 @@ class RewardWorker:
 
 
 class RewardPool:
-    """`workers` RewardWorker actors for one reward function, started before it returns; `.reward`
-    is the async callable to put in the rollout context."""
+    """`workers` RewardWorker actors for one reward function; `.reward` is the async callable to
+    put in the rollout context.
+
+    The pool is started when it is built (`wait=True`), or, with `wait=False`, its actors start
+    while the caller goes on and `wait_started()` waits for them: a Ray run starts its reward
+    workers beside its trainer ranks and engines (weir.loop.ray_build)."""
 
     def __init__(
         self,
@@ -57,6 +61,8 @@ class RewardPool:
         workers: int = 2,
         num_cpus: float = 0.25,
         start_timeout_s: float = START_TIMEOUT_S,
+        *,
+        wait: bool = True,
     ) -> None:
         import ray
 
@@ -66,26 +72,30 @@ class RewardPool:
         self.actors = [remote.remote(fn) for _ in range(workers)]
         self.load = [0] * workers
         self._lock = threading.Lock()
+        self._name, self._timeout_s = reward_name(fn), start_timeout_s
         self.reward = self._wrap(fn)
-        self._wait_started(reward_name(fn), start_timeout_s)
+        if wait:
+            self.wait_started()
 
-    def _wait_started(self, name: str, timeout_s: float) -> None:
+    def wait_started(self) -> None:
         """Block until every actor has built its RewardWorker; a worker that cannot start (its
-        function's module does not import there) or does not within `timeout_s` ends the run
-        with the reason (a ValueError, as a placement that Ray cannot make: the user's to fix),
-        instead of failing samples one by one."""
+        function's module does not import there) or does not within the start timeout ends the
+        run with the reason (a ValueError, as a placement that Ray cannot make: the user's to
+        fix), instead of failing samples one by one."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            ray.get([a.ready.remote() for a in self.actors], timeout=timeout_s)
+            ray.get([a.ready.remote() for a in self.actors], timeout=self._timeout_s)
             return
         except GetTimeoutError:
-            why = f"did not start within {timeout_s:.0f} s (is the Ray cluster short of CPUs?)"
+            why = (
+                f"did not start within {self._timeout_s:.0f} s (is the Ray cluster short of CPUs?)"
+            )
         except RayActorError as err:
             why = f"could not start: {str(err).strip().splitlines()[-1]}"
         self.shutdown()
-        raise ValueError(f"cluster.reward_workers: the reward workers for {name} {why}")
+        raise ValueError(f"cluster.reward_workers: the reward workers for {self._name} {why}")
 
     def _wrap(self, fn: Callable) -> Callable:
         from ray.exceptions import RayTaskError

@@ -324,9 +324,10 @@ def _local_replicas(count: int, model: torch.nn.Module, options: dict, seed: int
 
 
 def make_contexts(
-    cfg: Config, engine: TorchEngine, tokenizer: Any, reward: Callable | None = None
+    cfg: Config, engine: TorchEngine, tokenizer: Any, reward_fn: Callable | None = None
 ) -> tuple[RolloutContext, RolloutContext]:
-    """Rollout contexts for training (rollout.* sampling) and evaluation (eval.* sampling)."""
+    """Rollout contexts for training (rollout.* sampling) and evaluation (eval.* sampling), which
+    score with `reward_fn` (the config's, `reward_function(cfg)`, when None)."""
     r, e = cfg.rollout, cfg.eval
     configure_sandbox(cfg.sandbox)  # code rewards and the python tool run programs there
     processor = processor_of(tokenizer)
@@ -346,7 +347,7 @@ def make_contexts(
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=sorted(placeholders),
         ),
-        reward_fn=reward_function(cfg, reward),
+        reward_fn=reward_fn or reward_function(cfg),
         encode=(encode := PromptEncoder(cfg, tokenizer)),
         encode_vision=encode.encode if encode.takes_images else None,
         placeholder_ids=placeholders,
@@ -439,7 +440,7 @@ def build(
     if not cfg.model.path.startswith("tiny:"):  # refuse what weir cannot run exactly, early
         check_model_path(run_model_path(cfg, run_dir))  # (a GGUF file: its converted directory)
     resolve_teacher(cfg, run_dir)
-    ray_parts = policies = None
+    ray_parts = policies = scored = None
     if cfg.cluster.type == "ray":  # the ranks and replicas load the weights, never the driver
         model, tokenizer = driver_model(cfg, run_dir)
     else:
@@ -447,9 +448,10 @@ def build(
     model_support(model.config)  # and with the attention implementation it was loaded with
     if processor_of(tokenizer) is not None:
         _check_vision_run(cfg)
-    if cfg.cluster.type == "ray":  # trainer ranks and engine replicas are Ray actors
+    if cfg.cluster.type == "ray":  # trainer ranks, engine replicas and reward workers: actors
         from weir.loop.ray_build import build_ray, critic_model_path, ray_roles
 
+        scored = reward_function(cfg, reward)  # checked before the cluster starts its workers
         ray_parts = build_ray(
             cfg,
             run_dir,
@@ -457,6 +459,7 @@ def build(
             eos_token_ids(model, tokenizer),
             roles=ray_roles(cfg, run_dir) if separate_policies(cfg) else None,
             critic_path=critic_model_path(cfg, run_dir),
+            reward=scored,
         )
         trainer, engine = ray_parts.trainer, ray_parts.router
     elif separate_policies(cfg):  # a model, trainer and engine per role
@@ -499,8 +502,10 @@ def build(
         adapters = LocalAdapterSync(trainer, engine, run_dir / "engine" / "adapters")
         adapters.push(0)
     try:
+        if scored is None:
+            scored = reward_function(cfg, reward)
         parts = _components(
-            cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
+            cfg, model, tokenizer, engine, trainer, ray_parts, scored, rollout, filter, run_dir
         )
         parts.policies = policies
         if adapters is not None:
@@ -571,11 +576,11 @@ def _check_vision_run(cfg: Config) -> None:
 
 
 def _components(
-    cfg, model, tokenizer, engine, trainer, ray_parts, reward, rollout, filter, run_dir
+    cfg, model, tokenizer, engine, trainer, ray_parts, reward_fn, rollout, filter, run_dir
 ):
-    ctx, eval_ctx = make_contexts(cfg, engine, tokenizer, reward)
-    if ray_parts is not None and cfg.cluster.reward_workers:
-        ctx.reward_fn = eval_ctx.reward_fn = ray_parts.rewards(ctx.reward_fn)
+    if ray_parts is not None and ray_parts.reward_pool is not None:
+        reward_fn = ray_parts.reward_pool.reward  # scored in cluster.reward_workers actors
+    ctx, eval_ctx = make_contexts(cfg, engine, tokenizer, reward_fn)
     spec = filter or cfg.rollout.filter
     return Components(
         model=model,

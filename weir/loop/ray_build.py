@@ -9,8 +9,10 @@ its engines (weir.sync).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,13 +40,8 @@ class RayParts:
     trainer: TrainerGroup
     router: Any  # one policy: a Router (torch) or ServerEngine (vLLM / SGLang); else a RoleRouter
     sync: Any  # WeightSync / ServerSync, or RoleSyncs over one per policy
-    reward_pool: RewardPool | None = None
+    reward_pool: RewardPool | None = None  # cluster.reward_workers scoring the run's reward
     roles: tuple[str, ...] = ()  # multi_agent.policies=separate: the policies, by role
-
-    def rewards(self, fn: Callable) -> Callable:
-        """`fn` scored in `cluster.reward_workers` Ray actors instead of the driver."""
-        self.reward_pool = RewardPool(fn, workers=self.trainer.cluster.reward_workers)
-        return self.reward_pool.reward
 
     def shutdown(self) -> None:
         if self.reward_pool is not None:
@@ -108,37 +105,92 @@ def build_ray(
     *,
     roles: dict[str, str] | None = None,
     critic_path: str | None = None,
+    reward: Callable | None = None,
 ) -> RayParts:
     """Start (or join) Ray, place trainer ranks and engines, connect the weight sync. `roles`:
     multi_agent.policies=separate, each role's model directory; `critic_path`: critic.model_path
-    (both resolved by the driver)."""
+    (both resolved by the driver); `reward`: the run's reward function, scored in
+    `cluster.reward_workers` Ray actors (none: the caller scores it).
+
+    The trainer ranks, the engines and the reward workers start at once: each is a process that
+    imports torch and loads its model or module, and none needs another until the weight sync is
+    connected, so the run starts in the time of the slowest group, not of all three in turn."""
     c = cfg.cluster
     groups = dict(roles) if roles else {"": model_path}
     cluster = RayCluster(c, engine_groups=len(groups)).start()
+    pool = None
     try:
+        if reward is not None and c.reward_workers:
+            pool = RewardPool(reward, workers=c.reward_workers, wait=False)
         settings = dataclasses.replace(
             RankSettings.from_config(cfg),
             roles=tuple(roles.items()) if roles else (),
             critic_path=critic_path,
         )
-        trainer = TrainerGroup(cluster, settings, model_path, rank_cls=SyncTrainerRank)
-        engines: dict[str, Any] = {}
-        syncs: dict[str, Any] = {}
+        engine_groups = [
+            EngineGroup(cfg, cluster, run_dir, role, path, k, len(groups))
+            for k, (role, path) in enumerate(groups.items())
+        ]
+        trainer, engines = _start_together(
+            lambda: TrainerGroup(cluster, settings, model_path, rank_cls=SyncTrainerRank),
+            lambda: _start_engines(engine_groups, eos_token_ids or []),
+        )
         try:
-            for k, (role, path) in enumerate(groups.items()):
-                group = EngineGroup(cfg, cluster, trainer, run_dir, role, path, k, len(groups))
-                engines[role], syncs[role] = group.start(eos_token_ids or [])
+            syncs = {g.role: g.connect(trainer, engines[g.role]) for g in engine_groups}
+            if pool is not None:
+                pool.wait_started()
+        except BaseException:
+            for e in engines.values():
+                e.close()
+            trainer.shutdown()
+            raise
+    except BaseException:
+        if pool is not None:
+            pool.shutdown()
+        cluster.shutdown()
+        raise
+    if not roles:
+        return RayParts(cluster, trainer, engines[""], syncs[""], reward_pool=pool)
+    router = RoleRouter(engines, sleep_while_training=False)
+    return RayParts(
+        cluster, trainer, router, RoleSyncs(syncs), reward_pool=pool, roles=tuple(roles)
+    )
+
+
+def _start_together(
+    start_trainer: Callable[[], TrainerGroup], start_engines: Callable[[], dict[str, Any]]
+) -> tuple[TrainerGroup, dict[str, Any]]:
+    """Both started side by side (the trainer's in a thread: both mostly wait on Ray). Where
+    one fails, what the other started is closed once it has, and the failure raised (the
+    engines' where both fail)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weir-trainer-start") as ex:
+        trainer_future = ex.submit(start_trainer)
+        try:
+            engines = start_engines()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                trainer_future.result().shutdown()
+            raise
+        try:
+            trainer = trainer_future.result()
         except BaseException:
             for e in engines.values():
                 e.close()
             raise
+    return trainer, engines
+
+
+def _start_engines(groups: list[EngineGroup], eos_token_ids: list[int]) -> dict[str, Any]:
+    """Each group's engines, by role; where one group fails, the ones before it are closed."""
+    engines: dict[str, Any] = {}
+    try:
+        for group in groups:
+            engines[group.role] = group.start(eos_token_ids)
     except BaseException:
-        cluster.shutdown()
+        for e in engines.values():
+            e.close()
         raise
-    if not roles:
-        return RayParts(cluster, trainer, engines[""], syncs[""])
-    router = RoleRouter(engines, sleep_while_training=False)
-    return RayParts(cluster, trainer, router, RoleSyncs(syncs), roles=tuple(roles))
+    return engines
 
 
 def engine_dtype(cfg: Config) -> str:
@@ -160,7 +212,6 @@ class EngineGroup:
 
     cfg: Config
     cluster: RayCluster
-    trainer: TrainerGroup
     run_dir: Path
     role: str
     model_path: str
@@ -175,10 +226,18 @@ class EngineGroup:
     def work_dir(self) -> Path:
         return self.run_dir / "engine" / self.role if self.role else self.run_dir / "engine"
 
-    def start(self, eos_token_ids: list[int]) -> tuple[Any, Any]:
+    def start(self, eos_token_ids: list[int]) -> Any:
+        """The group's engines, started: a `Router` over weir's engine replicas, or a
+        `ServerEngine` over vLLM / SGLang servers. They load the model themselves."""
         if self.cfg.engine.type == "torch":
             return self.torch_engines()
         return self.server_engines(eos_token_ids)
+
+    def connect(self, trainer: TrainerGroup, engine: Any) -> Any:
+        """The weight sync from the trainer ranks' shards into the group's engines."""
+        if self.cfg.engine.type == "torch":
+            return self.torch_sync(trainer, engine)
+        return self.server_sync(trainer, engine)
 
     def placement(self) -> Any:
         """Server replicas as `ServerHost` actors on this group's bundles (one per replica, each
@@ -192,17 +251,14 @@ class EngineGroup:
         per = len(urls) // self.count
         return urls[self.index * per : (self.index + 1) * per]
 
-    def server_engines(self, eos_token_ids: list[int]) -> tuple[ServerEngine, ServerSync]:
-        """vLLM / SGLang servers placed on the group's bundles (or attached by `engine.urls`), and
-        the sync from the trainer's shards into them. Attached servers are given the trainer's
-        weights at once (they may hold others); servers weir starts load the same files as the
-        trainer."""
+    def server_engines(self, eos_token_ids: list[int]) -> ServerEngine:
+        """vLLM / SGLang servers placed on the group's bundles (or attached by `engine.urls`);
+        servers weir starts load the same files as the trainer."""
         cfg, c = self.cfg, self.cfg.cluster
         gpus = c.engines.gpus
-        ecfg = cfg.engine.model_copy(update={"replicas": c.engines.replicas, "urls": self.urls()})
         lora = cfg.lora
-        engine = start_engine_servers(
-            ecfg,
+        return start_engine_servers(
+            self.server_config(),
             self.model_path,
             self.work_dir,
             eos_token_ids,
@@ -212,31 +268,38 @@ class EngineGroup:
             tensor_parallel_size=max(1, int(gpus)) if gpus >= 1 else 1,
             lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else None,
         )
-        try:
-            transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
-            if lora.enabled and lora.sync == "adapter":
-                transport = "adapter"
-            sync = ServerSync(
-                self.trainer,
-                engine,
-                transport,
-                bucket_mb=c.bucket_mb,
-                backend=sync_backend(cfg),
-                dtype=engine_dtype(cfg),
-                disk_dir=c.sync_dir or self.run_dir / "weights" / (self.role or "policy"),
-                model_dir=self.model_path,
-                role=self.role,
-                verify=c.verify_sync,
-            )
-            if ecfg.urls or transport == "adapter":
-                sync.push(0)
-        except BaseException:
-            engine.close()
-            raise
-        return engine, sync
 
-    def torch_engines(self) -> tuple[Router, WeightSync]:
-        """weir's own engine as `SyncEngineWorker` actors behind a `Router`, and the weight sync."""
+    def server_config(self) -> Any:
+        """engine.* for this group's servers: cluster.engines.replicas, and its share of the URLs."""
+        return self.cfg.engine.model_copy(
+            update={"replicas": self.cfg.cluster.engines.replicas, "urls": self.urls()}
+        )
+
+    def server_sync(self, trainer: TrainerGroup, engine: ServerEngine) -> ServerSync:
+        """The sync from the trainer's shards into the servers. Attached servers are given the
+        trainer's weights at once (they may hold others), as are LoRA adapters."""
+        cfg, c = self.cfg, self.cfg.cluster
+        transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
+        if cfg.lora.enabled and cfg.lora.sync == "adapter":
+            transport = "adapter"
+        sync = ServerSync(
+            trainer,
+            engine,
+            transport,
+            bucket_mb=c.bucket_mb,
+            backend=sync_backend(cfg),
+            dtype=engine_dtype(cfg),
+            disk_dir=c.sync_dir or self.run_dir / "weights" / (self.role or "policy"),
+            model_dir=self.model_path,
+            role=self.role,
+            verify=c.verify_sync,
+        )
+        if self.server_config().urls or transport == "adapter":
+            sync.push(0)
+        return sync
+
+    def torch_engines(self) -> Router:
+        """weir's own engine as `SyncEngineWorker` actors behind a `Router`."""
         import ray
 
         cfg, c = self.cfg, self.cfg.cluster
@@ -259,21 +322,27 @@ class EngineGroup:
         router = Router(replicas, seed=cfg.run.seed + self.index)
         router.sleep_mode = c.colocate and cfg.engine.sleep_while_training
         router.sleep_offload_weights = cfg.engine.sleep_offload_weights
+        return router
+
+    def torch_sync(self, trainer: TrainerGroup, router: Router) -> WeightSync:
+        """The sync from the trainer's shards into the replicas; a replica Ray restarts gets the
+        current weights from it (`router.restore`)."""
+        c = self.cfg.cluster
         transport = "broadcast" if c.weight_sync == "auto" else c.weight_sync
         sync = WeightSync(
-            self.trainer,
+            trainer,
             router,
             transport,
             disk_dir=c.sync_dir or self.run_dir / "weights" / (self.role or "policy"),
             bucket_mb=c.bucket_mb,
-            backend=sync_backend(cfg),
-            dtype=engine_dtype(cfg),
+            backend=sync_backend(self.cfg),
+            dtype=engine_dtype(self.cfg),
             host_handles=c.colocate,
             role=self.role,
             verify=c.verify_sync,
         )
         router.restore = sync.restore
-        return router, sync
+        return sync
 
 
 def describe(parts: Any) -> dict[str, float]:
