@@ -53,21 +53,12 @@ class LatePool:
             self.pool.shutdown()
 
 
-def in_turn(start_trainer, start_engines):
-    trainer = start_trainer()
-    try:
-        return trainer, start_engines()
-    except BaseException:
-        trainer.shutdown()
-        raise
-
-
 @contextlib.contextmanager
 def one_after_another():
     import weir.loop.ray_build as ray_build
 
     saved = ray_build._start_together, ray_build.RewardPool
-    ray_build._start_together, ray_build.RewardPool = in_turn, LatePool
+    ray_build._start_together, ray_build.RewardPool = ray_build._start_in_turn, LatePool
     try:
         yield
     finally:

@@ -1,5 +1,6 @@
-"""A Ray run starts its trainer ranks and its engines side by side (weir.loop.ray_build), and
-where either fails, what the other started is closed and the failure is the one raised."""
+"""A Ray run starts its trainer ranks and its engines side by side (weir.loop.ray_build), unless
+the engines size their memory from what the trainer leaves; where either fails, what the other
+started is closed and the failure is the one raised."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import threading
 
 import pytest
 
-from weir.loop.ray_build import _start_engines, _start_together
+from weir.config import build_config
+from weir.loop.ray_build import (
+    _start_engines,
+    _start_in_turn,
+    _start_together,
+    starts_side_by_side,
+)
 
 WAIT_S = 10.0
 
@@ -94,3 +101,45 @@ def test_a_policys_engines_that_fail_close_the_ones_started_before():
         _start_engines(groups, [2])
     assert sorted(log) == ["closed a", "closed b"]
     assert set(_start_engines(groups[:2], [2])) == {"a", "b"}
+
+
+def _cluster(*overrides: str):
+    return build_config({"data": {"task": "arithmetic"}}, ["cluster.type=ray", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "side_by_side"),
+    [
+        ((), True),  # CPU engines on bundles of their own, no budget from free memory
+        (("cluster.trainer.gpus_per_rank=1", "cluster.engines.gpus=1"), True),  # own GPUs
+        (("engine.kv_budget_gb=2",), True),  # a fixed budget
+        (("cluster.colocate=true",), False),  # on the trainer's bundles
+        (("cluster.colocate=true", "engine.type=vllm"), False),
+        (("engine.kv_budget_fraction=0.5",), False),  # of the node's free RAM
+        (("engine.kv_budget_fraction=0.5", "cluster.engines.gpus=1"), True),  # of its own GPU
+    ],
+)
+def test_engines_that_size_their_memory_from_the_trainers_start_after_it(overrides, side_by_side):
+    assert starts_side_by_side(_cluster(*overrides)) is side_by_side
+
+
+def test_in_turn_the_engines_start_once_the_trainer_has():
+    log: list[str] = []
+
+    def trainer():
+        log.append("trainer")
+        return Closable("trainer", log)
+
+    def engines():
+        log.append("engines")
+        return {"": Closable("engine", log)}
+
+    _start_in_turn(trainer, engines)
+    assert log == ["trainer", "engines"]
+
+    def failing():
+        raise ValueError("engine replica 0 died")
+
+    with pytest.raises(ValueError, match="replica 0"):
+        _start_in_turn(trainer, failing)
+    assert log[-1] == "shut down trainer"

@@ -114,7 +114,9 @@ def build_ray(
 
     The trainer ranks, the engines and the reward workers start at once: each is a process that
     imports torch and loads its model or module, and none needs another until the weight sync is
-    connected, so the run starts in the time of the slowest group, not of all three in turn."""
+    connected, so the run starts in the time of the slowest group, not of all three in turn
+    (engines that size their memory from what the trainer leaves start after it:
+    `starts_side_by_side`)."""
     c = cfg.cluster
     groups = dict(roles) if roles else {"": model_path}
     cluster = RayCluster(c, engine_groups=len(groups)).start()
@@ -131,7 +133,8 @@ def build_ray(
             EngineGroup(cfg, cluster, run_dir, role, path, k, len(groups))
             for k, (role, path) in enumerate(groups.items())
         ]
-        trainer, engines = _start_together(
+        start = _start_together if starts_side_by_side(cfg) else _start_in_turn
+        trainer, engines = start(
             lambda: TrainerGroup(cluster, settings, model_path, rank_cls=SyncTrainerRank),
             lambda: _start_engines(engine_groups, eos_token_ids or []),
         )
@@ -155,6 +158,29 @@ def build_ray(
     return RayParts(
         cluster, trainer, router, RoleSyncs(syncs), reward_pool=pool, roles=tuple(roles)
     )
+
+
+def starts_side_by_side(cfg: Config) -> bool:
+    """Whether the engines start while the trainer ranks do. Not where an engine sizes its memory
+    from what is free when it starts and shares that memory with the trainer, since the trainer
+    would be filling it meanwhile: colocated on the trainer's GPUs (vLLM and SGLang check and
+    claim their share of the GPU as they start; the built-in engine reads `mem_get_info`), or
+    on a CPU with `engine.kv_budget_fraction` (a fraction of the node's free RAM)."""
+    if cfg.cluster.colocate:
+        return False
+    return not (cfg.cluster.engines.gpus == 0 and cfg.engine.kv_budget_fraction is not None)
+
+
+def _start_in_turn(
+    start_trainer: Callable[[], TrainerGroup], start_engines: Callable[[], dict[str, Any]]
+) -> tuple[TrainerGroup, dict[str, Any]]:
+    """The trainer ranks, then the engines (closing the trainer where they fail)."""
+    trainer = start_trainer()
+    try:
+        return trainer, start_engines()
+    except BaseException:
+        trainer.shutdown()
+        raise
 
 
 def _start_together(
