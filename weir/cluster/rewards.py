@@ -3,10 +3,10 @@ reward neither holds the driver's GIL nor delays the requests it routes.
 
 The actors are long-lived (a warm process each, no start-up per call) and asynchronous: each
 scores many samples at once, sync functions in its worker threads. Calls go to the actor with
-the fewest in flight. A pool is ready when it is built: `reward.timeout_s` bounds the reward
-function, not a worker's start-up (importing the function's module, and torch where it needs it,
-which on a loaded machine took longer than the 30 s default and failed a first evaluation's every
-sample).
+the fewest in flight. A pool is ready before anything is scored: `reward.timeout_s` bounds the
+reward function, not a worker's start-up (importing the function's module, and torch where it
+needs it, which on a loaded machine took longer than the 30 s default and failed a first
+evaluation's every sample).
 """
 
 from __future__ import annotations
