@@ -347,7 +347,7 @@ def make_contexts(
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=sorted(placeholders),
         ),
-        reward_fn=reward_fn or reward_function(cfg),
+        reward_fn=reward_fn if reward_fn is not None else reward_function(cfg),
         encode=(encode := PromptEncoder(cfg, tokenizer)),
         encode_vision=encode.encode if encode.takes_images else None,
         placeholder_ids=placeholders,
