@@ -284,7 +284,7 @@ class EngineGroup:
         gpus = c.engines.gpus
         lora = cfg.lora
         return start_engine_servers(
-            self.server_config(),
+            cfg.engine.model_copy(update={"replicas": c.engines.replicas, "urls": self.urls()}),
             self.model_path,
             self.work_dir,
             eos_token_ids,
@@ -293,12 +293,6 @@ class EngineGroup:
             place=self.placement(),
             tensor_parallel_size=max(1, int(gpus)) if gpus >= 1 else 1,
             lora_rank=lora.rank if lora.enabled and lora.sync == "adapter" else None,
-        )
-
-    def server_config(self) -> Any:
-        """engine.* for this group's servers: cluster.engines.replicas, and its share of the URLs."""
-        return self.cfg.engine.model_copy(
-            update={"replicas": self.cfg.cluster.engines.replicas, "urls": self.urls()}
         )
 
     def server_sync(self, trainer: TrainerGroup, engine: ServerEngine) -> ServerSync:
@@ -320,7 +314,7 @@ class EngineGroup:
             role=self.role,
             verify=c.verify_sync,
         )
-        if self.server_config().urls or transport == "adapter":
+        if self.urls() or transport == "adapter":
             sync.push(0)
         return sync
 
